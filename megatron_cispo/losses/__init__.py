@@ -1,0 +1,30 @@
+"""Policy losses: a registry of per-token losses and `compute_policy_loss`, which runs one.
+
+    out = compute_policy_loss(cfg, logprobs=lp, advantages=a, loss_mask=m, old_logprobs=old)
+    out.loss.backward()  # or sum out.loss_sum / out.denominator over microbatches and DP first
+
+Metric keys: "<policy_loss>/..." for what the loss computes (ratio_mean, ratio_min, ratio_max,
+clip_frac_low, clip_frac_high, weight_mean, masked_frac, ...; same suffixes for every
+built-in loss), "policy/..." (loss, tokens, nonfinite_dropped, kl, entropy), "tis/..." and
+"mismatch/..." (sampler vs trainer logprobs). Add a loss with @register_policy_loss or the
+"megatron_cispo.policy_losses" entry-point group.
+"""
+from . import cispo, ppo, rollout_is  # noqa: F401  (registers the built-in losses)
+from .aggregate import aggregate, finalize
+from .common import LOG_RATIO_CLAMP, LossInputs, Metrics, kl_estimate, log_ratio
+from .compute import PolicyLossOutput, compute_policy_loss
+from .registry import (
+    ENTRY_POINT_GROUP,
+    PolicyLoss,
+    PolicyLossPluginError,
+    available_policy_losses,
+    get_policy_loss,
+    register_policy_loss,
+    required_inputs,
+)
+
+__all__ = [
+    "ENTRY_POINT_GROUP", "LOG_RATIO_CLAMP", "LossInputs", "Metrics", "PolicyLoss", "PolicyLossOutput",
+    "PolicyLossPluginError", "aggregate", "available_policy_losses", "compute_policy_loss", "finalize",
+    "get_policy_loss", "kl_estimate", "log_ratio", "register_policy_loss", "required_inputs",
+]

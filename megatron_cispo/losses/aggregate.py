@@ -1,0 +1,41 @@
+"""Turn a per-token loss into (loss_sum, denominator) that sum exactly across microbatches and DP.
+
+Summing loss_sum and denominator over every microbatch and data-parallel rank, then dividing
+once, gives the global loss of the chosen `loss_agg` mode; nothing here is averaged locally.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def aggregate(per_token: Tensor, mask: Tensor, mode: str, max_len: int | None = None) -> tuple[Tensor, Tensor]:
+    """per_token: [b, s] fp32 (0 where mask is False); mask: [b, s] bool.
+
+    Returns loss_sum (0-dim, keeps grad) and denominator (0-dim fp32, detached):
+      token_mean               sum of token losses            / valid tokens
+      seq_mean_token_mean      sum over seqs of (mean token)  / seqs with >= 1 valid token
+      seq_mean_token_sum       sum over seqs of (token sum)   / seqs with >= 1 valid token
+      seq_mean_token_sum_norm  sum over seqs of (token sum) / max_len, same denominator
+    """
+    per_token = torch.where(mask, per_token, 0.0)
+    if mode == "token_mean":
+        return per_token.sum(), mask.sum().float()
+    tokens = mask.sum(-1).float()  # [b]
+    seq_sum = per_token.sum(-1)  # [b]
+    seqs = (tokens > 0).sum().float()
+    if mode == "seq_mean_token_mean":
+        return (seq_sum / tokens.clamp(min=1.0)).sum(), seqs
+    if mode == "seq_mean_token_sum":
+        return seq_sum.sum(), seqs
+    if mode == "seq_mean_token_sum_norm":
+        if not max_len or max_len <= 0:
+            raise ValueError(f"max_len must be > 0 for loss_agg='seq_mean_token_sum_norm', got {max_len!r}")
+        return seq_sum.sum() / max_len, seqs
+    raise ValueError(f"loss_agg must be one of token_mean, seq_mean_token_mean, seq_mean_token_sum, "
+                     f"seq_mean_token_sum_norm, got {mode!r}")
+
+
+def finalize(loss_sum: Tensor, denominator: Tensor) -> Tensor:
+    """loss_sum / max(denominator, 1): zero valid tokens give loss 0 and zero grad, never NaN."""
+    return loss_sum / denominator.clamp(min=1.0)

@@ -1,0 +1,30 @@
+"""CISPO: REINFORCE on log pi with a clipped, stop-gradient importance weight (MiniMax-M1).
+
+per-token loss = -sg(clamp(r, 1-eps_low, 1+eps_high)) * A * log pi, r = pi / pi_anchor, with
+the anchor pi_old or pi_rollout (cfg.cispo.anchor). Unlike PPO, capped tokens keep a gradient.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..config import LossConfig
+from .common import LossInputs, Metrics, log_ratio, ratio_metrics
+from .registry import register_policy_loss
+
+
+@register_policy_loss("cispo", anchor=lambda cfg: cfg.cispo.anchor)
+def cispo_loss(cfg: LossConfig, x: LossInputs) -> tuple[Tensor, Metrics]:
+    c = cfg.cispo
+    ratio = log_ratio(x.logprobs, x.anchor_logprobs).detach().exp()
+    weight = ratio.clamp(1.0 - c.eps_low, 1.0 + c.eps_high)
+    drop = torch.zeros_like(x.mask)
+    if c.token_mask:
+        # MiniMax-M1's mask: drop the tokens PPO's clip would zero; they stay in the denominator.
+        drop = ((x.advantages > 0) & (ratio > 1.0 + c.mask_eps_high)) | (
+            (x.advantages < 0) & (ratio < 1.0 - c.mask_eps_low))
+        weight = weight * (~drop)
+    m = Metrics()
+    ratio_metrics(m, ratio, weight, x, 1.0 - c.eps_low, 1.0 + c.eps_high)
+    m.frac("masked_frac", drop, x.mask)
+    return -(weight * x.advantages) * x.logprobs, m

@@ -1,0 +1,124 @@
+"""Shared pieces of every policy loss: inputs, guarded ratios, metrics, KL and TIS.
+
+Pure tensor math on [b, s] fp32 tensors; no process groups. Metrics are collected as
+reducible parts, (sum, count), min, max and plain totals, so a caller can all-reduce them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..config import KLConfig, TISConfig
+
+# exp(20) ~ 4.9e8 is far past any clip bound yet keeps exp() and its grad finite in fp32.
+LOG_RATIO_CLAMP = 20.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossInputs:
+    """What compute_policy_loss hands every registered loss; all [b, s] fp32.
+
+    logprobs: current policy, with grad. anchor_logprobs: pi_old or pi_rollout, whichever
+    the loss's anchor names. At invalid positions (mask False) every tensor holds 0.
+    """
+
+    logprobs: Tensor
+    anchor_logprobs: Tensor
+    advantages: Tensor
+    mask: Tensor  # bool
+
+
+@dataclass
+class Metrics:
+    """Detached metric parts: `sums` key -> (sum, count); `mins`, `maxs`, `totals` key -> value."""
+
+    sums: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    mins: dict[str, Tensor] = field(default_factory=dict)
+    maxs: dict[str, Tensor] = field(default_factory=dict)
+    totals: dict[str, Tensor] = field(default_factory=dict)
+
+    def mean(self, key: str, values: Tensor, mask: Tensor) -> None:
+        values = torch.where(mask, values.detach().float(), 0.0)
+        self.sums[key] = (values.sum(), mask.sum().float())
+
+    def frac(self, key: str, hit: Tensor, mask: Tensor) -> None:
+        self.mean(key, hit.float(), mask)
+
+    def min_max(self, key: str, values: Tensor, mask: Tensor) -> None:
+        # +inf / -inf when nothing is valid, so a MIN / MAX all-reduce ignores this rank.
+        v = values.detach().float().reshape(-1)
+        m = mask.reshape(-1)
+        inf = torch.tensor(float("inf"), device=v.device)
+        self.mins[f"{key}_min"] = torch.where(m, v, inf).amin() if v.numel() else inf
+        self.maxs[f"{key}_max"] = torch.where(m, v, -inf).amax() if v.numel() else -inf
+
+    def total(self, key: str, value: Tensor) -> None:
+        self.totals[key] = value.detach().float()
+
+    def update(self, other: Metrics, prefix: str = "") -> Metrics:
+        for mine, theirs in ((self.sums, other.sums), (self.mins, other.mins),
+                             (self.maxs, other.maxs), (self.totals, other.totals)):
+            mine.update({prefix + k: v for k, v in theirs.items()})
+        return self
+
+    def values(self) -> dict[str, Tensor]:
+        """Local final values: sum / max(count, 1), min, max, total."""
+        out = {k: s / c.clamp(min=1.0) for k, (s, c) in self.sums.items()}
+        return {**out, **self.mins, **self.maxs, **self.totals}
+
+
+def log_ratio(logprobs: Tensor, anchor: Tensor) -> Tensor:
+    """log(pi / pi_anchor), clamped to +-LOG_RATIO_CLAMP; keeps the grad of `logprobs`."""
+    return (logprobs - anchor).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def ratio_metrics(m: Metrics, ratio: Tensor, weight: Tensor, x: LossInputs, low: float, high: float) -> None:
+    """Keys shared by all built-in losses, so dashboards can compare them suffix by suffix.
+
+    weight is the stop-gradient coefficient on -A * grad(log pi) for each token.
+    """
+    m.mean("ratio_mean", ratio, x.mask)
+    m.min_max("ratio", ratio, x.mask)
+    m.frac("clip_frac_low", ratio < low, x.mask)
+    m.frac("clip_frac_high", ratio > high, x.mask)
+    m.mean("weight_mean", weight, x.mask)
+
+
+def kl_estimate(estimator: str, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi; grad flows through logprobs.
+
+    With d = log(pi_ref / pi): k1 = -d, k2 = d^2 / 2, k3 = exp(d) - d - 1 (Schulman 2020).
+    """
+    d = log_ratio(ref_logprobs, logprobs)
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * d * d
+    if estimator == "k3":
+        return torch.expm1(d) - d
+    raise ValueError(f"kl.estimator must be 'k1', 'k2' or 'k3', got {estimator!r}")
+
+
+def tis_weights(tis: TISConfig, old: Tensor, rollout: Tensor, mask: Tensor, m: Metrics) -> Tensor:
+    """Detached truncated-IS weights min(pi_old / pi_rollout, cap), [b, s] (or [b, 1] per sequence)."""
+    d = torch.where(mask, old - rollout, 0.0).detach()
+    if tis.level == "token":
+        w = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp(max=tis.cap)
+        where = mask
+    elif tis.level == "sequence":
+        w = d.sum(-1, keepdim=True).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp(max=tis.cap)
+        where = mask.any(-1, keepdim=True)
+    else:
+        raise ValueError(f"tis.level must be 'token' or 'sequence' here, got {tis.level!r}")
+    m.mean("tis/weight_mean", w, where)
+    m.frac("tis/capped_frac", w >= tis.cap, where)
+    return w
+
+
+def kl_penalty(kl: KLConfig, logprobs: Tensor, ref: Tensor, mask: Tensor, m: Metrics) -> Tensor:
+    """kl.coef * per-token KL to the reference; records policy/kl over `mask`."""
+    k = kl_estimate(kl.estimator, logprobs, ref)
+    m.mean("policy/kl", k, mask)
+    return kl.coef * k

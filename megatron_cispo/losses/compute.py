@@ -1,0 +1,131 @@
+"""compute_policy_loss: the one entry from the policy step into the loss math.
+
+Validates inputs, drops tokens whose required logprobs are non-finite (counted), runs the
+registered loss, applies TIS, KL and the entropy bonus, and aggregates into (loss_sum,
+denominator) plus reducible metrics. Pure tensor code; all reductions are the caller's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..config import LossConfig
+from .aggregate import aggregate, finalize
+from .common import LossInputs, Metrics, kl_penalty, tis_weights
+from .registry import get_policy_loss, input_reasons, missing_input_message
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyLossOutput:
+    """loss = loss_sum / max(denominator, 1). Sum loss_sum and denominator over microbatches
+    and DP ranks, then divide once, for the exact global loss.
+
+    metrics: local final values (detached fp32 0-dim). For exact DP reduction use the parts:
+    metrics_sum key -> (sum, count) [SUM both, divide]; metrics_min [MIN]; metrics_max [MAX];
+    metrics_total [SUM].
+    """
+
+    loss: Tensor
+    loss_sum: Tensor
+    denominator: Tensor
+    metrics: dict[str, Tensor]
+    metrics_sum: dict[str, tuple[Tensor, Tensor]]
+    metrics_min: dict[str, Tensor]
+    metrics_max: dict[str, Tensor]
+    metrics_total: dict[str, Tensor]
+
+
+def _check_shapes(logprobs: Tensor, advantages: Tensor, others: dict[str, Optional[Tensor]]) -> None:
+    if logprobs.dim() != 2 or not logprobs.is_floating_point():
+        raise ValueError(f"logprobs must be a floating [b, s] tensor, got {logprobs.dtype} of shape "
+                         f"{tuple(logprobs.shape)}")
+    shape = tuple(logprobs.shape)
+    if tuple(advantages.shape) not in (shape, shape[:1]):
+        raise ValueError(f"advantages shape {tuple(advantages.shape)} does not match logprobs shape {shape}; "
+                         f"expected [b]={shape[:1]} or [b, s]={shape}")
+    for name, t in others.items():
+        if t is not None and tuple(t.shape) != shape:
+            raise ValueError(f"{name} shape {tuple(t.shape)} does not match logprobs shape {shape}")
+
+
+def _zero_invalid(t: Tensor, mask: Tensor) -> Tensor:
+    # Sanitise before any math: where() still back-propagates NaN from an unselected NaN branch.
+    return torch.where(mask, t.float(), 0.0)
+
+
+def compute_policy_loss(
+    cfg: LossConfig,
+    *,
+    logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    old_logprobs: Optional[Tensor] = None,
+    rollout_logprobs: Optional[Tensor] = None,
+    ref_logprobs: Optional[Tensor] = None,
+    entropy: Optional[Tensor] = None,
+) -> PolicyLossOutput:
+    """Policy loss for one microbatch.
+
+    logprobs: [b, s] fp32|bf16, current policy, with grad. advantages: [b] or [b, s].
+    loss_mask: [b, s] bool|float, nonzero = trained token. old/rollout/ref_logprobs: [b, s];
+    entropy: [b, s]. Which optional tensors are needed is `required_inputs(cfg)`.
+    """
+    spec = get_policy_loss(cfg.policy_loss)
+    given = {"old_logprobs": old_logprobs, "rollout_logprobs": rollout_logprobs,
+             "ref_logprobs": ref_logprobs, "entropy": entropy}
+    _check_shapes(logprobs, advantages, {"loss_mask": loss_mask, **given})
+    needed = input_reasons(cfg)
+    for name in needed:
+        if given[name] is None:
+            raise ValueError(missing_input_message(cfg, name))
+    anchor = spec.anchor_for(cfg)
+    if anchor == "rollout" and cfg.tis.level is not None:
+        raise ValueError(f"policy_loss={cfg.policy_loss!r} anchors on rollout_logprobs and cannot be combined "
+                         f"with tis.level={cfg.tis.level!r}: it would double-count the off-policy correction")
+
+    trained = loss_mask != 0
+    valid = trained
+    for name in needed:
+        if name.endswith("_logprobs"):
+            valid = valid & torch.isfinite(given[name])
+    m = Metrics()
+    m.total("policy/tokens", valid.sum())
+    m.total("policy/nonfinite_dropped", (trained & ~valid).sum())
+
+    adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(logprobs)
+    lp = _zero_invalid(logprobs, valid)
+    x = LossInputs(logprobs=lp, anchor_logprobs=_zero_invalid(given[f"{anchor}_logprobs"], valid).detach(),
+                   advantages=_zero_invalid(adv, valid).detach(), mask=valid)
+    per_token, loss_metrics = spec(cfg, x)
+    m.update(loss_metrics, prefix=f"{cfg.policy_loss}/")
+
+    old = rollout = None
+    if old_logprobs is not None and rollout_logprobs is not None:
+        both = valid & torch.isfinite(old_logprobs) & torch.isfinite(rollout_logprobs)
+        old, rollout = _zero_invalid(old_logprobs, both).detach(), _zero_invalid(rollout_logprobs, both).detach()
+        d = old - rollout  # log(pi_old / pi_rollout) on tokens sampled from pi_rollout
+        m.mean("mismatch/abs_logprob_diff_mean", d.abs(), both)
+        m.mean("mismatch/k3_kl", torch.expm1(d) - d, both)  # estimates KL(pi_rollout || pi_old)
+    if cfg.tis.level is not None:
+        per_token = per_token * tis_weights(cfg.tis, old, rollout, valid, m)
+    if ref_logprobs is not None:
+        has_ref = valid & torch.isfinite(ref_logprobs)
+        penalty = kl_penalty(cfg.kl, lp, _zero_invalid(ref_logprobs, has_ref).detach(), has_ref, m)
+        if cfg.kl.coef > 0:
+            per_token = per_token + penalty
+    if entropy is not None:
+        ent = _zero_invalid(entropy, valid)
+        m.mean("policy/entropy", ent, valid)
+        if cfg.entropy_coef != 0:
+            per_token = per_token - cfg.entropy_coef * ent
+
+    loss_sum, denominator = aggregate(per_token.float(), valid, cfg.loss_agg, cfg.max_len)
+    denominator = denominator.detach()
+    m.sums["policy/loss"] = (loss_sum.detach(), denominator)
+    return PolicyLossOutput(
+        loss=finalize(loss_sum, denominator), loss_sum=loss_sum, denominator=denominator,
+        metrics=m.values(), metrics_sum=m.sums, metrics_min=m.mins, metrics_max=m.maxs,
+        metrics_total=m.totals)

@@ -1,0 +1,34 @@
+"""PPO clipped surrogate, anchored on pi_old, with optional dual clip (Ye et al. 2020).
+
+per-token loss = -min(r * A, clip(r, 1-eps_low, 1+eps_high) * A), r = pi / pi_old; with
+dual_clip = c and A < 0 the loss is further bounded by -c * A.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..config import LossConfig
+from .common import LossInputs, Metrics, log_ratio, ratio_metrics
+from .registry import register_policy_loss
+
+
+@register_policy_loss("ppo", anchor="old")
+def ppo_loss(cfg: LossConfig, x: LossInputs) -> tuple[Tensor, Metrics]:
+    p, a = cfg.ppo, x.advantages
+    ratio = log_ratio(x.logprobs, x.anchor_logprobs).exp()
+    unclipped = -a * ratio
+    clipped = -a * ratio.clamp(1.0 - p.eps_low, 1.0 + p.eps_high)
+    loss = torch.maximum(unclipped, clipped)
+    dual = torch.zeros_like(x.mask)
+    if p.dual_clip is not None:
+        dual = (a < 0) & (loss > -p.dual_clip * a)
+        loss = torch.where(dual, -p.dual_clip * a, loss)
+    # The gradient coefficient on -A * grad(log pi) is r where the unclipped branch is live, else 0.
+    live = (unclipped >= clipped) & ~dual
+    weight = ratio.detach() * live
+    m = Metrics()
+    ratio_metrics(m, ratio, weight, x, 1.0 - p.eps_low, 1.0 + p.eps_high)
+    m.frac("masked_frac", ~live, x.mask)
+    m.frac("dual_clip_frac", dual, x.mask)
+    return loss, m

@@ -1,0 +1,212 @@
+"""Process groups, megatron parallel state, and the CPU compatibility layer.
+
+`init_distributed(tp=, pp=, ...)` reads torchrun's environment, picks NCCL on CUDA and
+gloo otherwise, builds megatron-core's parallel state, and (on CPU only) enters
+`CpuCompat`, the scoped layer that lets megatron-core 0.16.1 run over gloo.
+`shutdown()` undoes all of it.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+
+def _is_accel(device) -> bool:
+    """True for a device argument that names CUDA: "cuda", "cuda:0", torch.device, or an int."""
+    if device is None or isinstance(device, bool):
+        return False
+    if isinstance(device, int):
+        return True  # a bare int is a CUDA ordinal in torch's factories
+    return torch.device(device).type == "cuda"
+
+
+class _RedirectCudaDevice(TorchFunctionMode):
+    """Rewrites `device=` keyword arguments naming CUDA to CPU, and `.cuda()` to a no-op."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_accel(kwargs.get("device")):
+            kwargs = {**kwargs, "device": "cpu"}
+        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and isinstance(args[1], (str, int, torch.device)) \
+                and _is_accel(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+def _clip_grads_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """CPU-safe stand-in for megatron's clip_grad_by_total_norm_fp32 (which asserts CUDA)."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff >= 1.0:
+        return
+    for p in parameters:
+        g = getattr(p, "decoupled_grad", None) if use_decoupled_grad else p.grad
+        if g is not None:
+            g.detach().mul_(clip_coeff)
+
+
+class CpuCompat(contextlib.AbstractContextManager):
+    """Scoped patches that make megatron-core 0.16.1 run on CPU over gloo.
+
+    Covers: `device="cuda"` factories (schedules' token counters, causal masks, grad-norm
+    buffers), `torch.cuda.current_device/synchronize`, the model-parallel RNG tracker (backed
+    by the CPU generator), and grad clipping. Never active when CUDA is available: then
+    entering is a no-op and `active` stays False.
+    """
+
+    def __init__(self):
+        self.active = False
+        self._saved: list[tuple[object, str, object]] = []
+        self._mode: _RedirectCudaDevice | None = None
+
+    def _patch(self, owner, name, value):
+        self._saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    def __enter__(self):
+        if self.active:
+            raise RuntimeError("CpuCompat is already active; it is not re-entrant")
+        if torch.cuda.is_available():
+            return self
+        from megatron.core.optimizer import optimizer as mcore_optimizer
+        from megatron.core.tensor_parallel import random as mcore_random
+
+        self._patch(torch.cuda, "current_device", lambda: 0)
+        self._patch(torch.cuda, "synchronize", lambda *a, **k: None)
+        self._patch(torch.cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state())
+        self._patch(torch.cuda, "set_rng_state", lambda s, *a, **k: torch.set_rng_state(s))
+        self._patch(torch.cuda, "manual_seed", lambda seed: torch.manual_seed(seed))
+        self._patch(mcore_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
+        self._patch(mcore_random, "_set_cuda_rng_state", lambda s, *a, **k: torch.set_rng_state(s))
+        self._patch(mcore_optimizer, "clip_grad_by_total_norm_fp32", _clip_grads_cpu)
+        self._mode = _RedirectCudaDevice()
+        self._mode.__enter__()
+        self.active = True
+        return self
+
+    def __exit__(self, *exc):
+        if self._mode is not None:
+            self._mode.__exit__(*exc)
+            self._mode = None
+        for owner, name, value in reversed(self._saved):
+            setattr(owner, name, value)
+        self._saved.clear()
+        self.active = False
+        return False
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistEnv:
+    """What `init_distributed` set up; pass it to `shutdown`."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+    tp: int
+    pp: int
+    dp: int
+    cp: int
+    vp: int | None
+    compat: CpuCompat
+
+
+_ENV: DistEnv | None = None
+
+
+def init_distributed(
+    *, tp: int = 1, pp: int = 1, cp: int = 1, vp: int | None = None,
+    seed: int = 1234, timeout_s: int = 300, backend: str | None = None,
+) -> DistEnv:
+    """Init torch.distributed from torchrun's env (RANK, WORLD_SIZE, MASTER_ADDR/PORT) and
+    megatron parallel state; dp = world_size // (tp * pp * cp). Single process without env
+    vars works too (world size 1 on 127.0.0.1)."""
+    global _ENV
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+
+    if _ENV is not None:
+        raise RuntimeError("init_distributed was already called in this process; call shutdown() first")
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    for name, v in (("tp", tp), ("pp", pp), ("cp", cp)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if world % (tp * pp * cp):
+        raise ValueError(
+            f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}; "
+            f"launch a multiple of {tp * pp * cp} processes")
+    if vp is not None and pp < 2:
+        raise ValueError(f"vp={vp} (virtual pipeline stages) needs pp >= 2, got pp={pp}")
+    cuda = torch.cuda.is_available()
+    backend = backend or ("nccl" if cuda else "gloo")
+    if cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend, rank=rank, world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s))
+    compat = CpuCompat().__enter__()
+    try:
+        mpu.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vp, context_parallel_size=cp,
+            distributed_timeout_minutes=max(1, timeout_s // 60))
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    except BaseException:
+        compat.__exit__(None, None, None)
+        raise
+    _ENV = DistEnv(rank=rank, world_size=world, local_rank=local_rank, backend=backend,
+                   device=device, tp=tp, pp=pp, dp=world // (tp * pp * cp), cp=cp, vp=vp,
+                   compat=compat)
+    return _ENV
+
+
+def current_env() -> DistEnv:
+    if _ENV is None:
+        raise RuntimeError("init_distributed() has not been called in this process")
+    return _ENV
+
+
+def shutdown() -> None:
+    """Destroy megatron parallel state and the process group, and leave CpuCompat."""
+    global _ENV
+    from megatron.core import parallel_state as mpu
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if _ENV is not None:
+        _ENV.compat.__exit__(None, None, None)
+    _ENV = None
+
+
+def optional_backends() -> dict[str, bool]:
+    """Which optional accelerated backends import here (NVIDIA Apex, Transformer Engine)."""
+    found = {}
+    for name, mod in (("apex", "apex.normalization"), ("transformer_engine", "transformer_engine.pytorch")):
+        try:
+            __import__(mod)
+            found[name] = True
+        except Exception:  # noqa: BLE001 - a broken optional install counts as absent
+            found[name] = False
+    return found

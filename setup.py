@@ -1,0 +1,30 @@
+"""megatron_cispo: CISPO for Megatron RL policy steps (vocab-parallel logprobs, anchors, exact reduction).
+
+CPU machines: install torch first (`pip install torch==2.13.0`, a CPU wheel) so that the
+`torch` requirement below is already met and pip does not pull a CUDA build. GPU clusters:
+see docs/launch.md (CUDA torch, Transformer Engine, NVIDIA Apex built from source).
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_cispo",
+    version="0.1.0",
+    description="CISPO policy loss plugin for Megatron-style RL training",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_cispo", "megatron_cispo.*"]),
+    package_data={"megatron_cispo": ["integrations/*.json"]},
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core>=0.16.1",
+        "pyyaml>=6",
+        "numpy",
+    ],
+    extras_require={
+        "test": ["pytest>=8"],
+        "plot": ["matplotlib>=3.7"],
+        "tensorboard": ["tensorboard"],
+        # NVIDIA Apex is built from source (github NVIDIA/apex); the PyPI "apex" is unrelated.
+        "te": ["transformer-engine[pytorch]"],
+    },
+    entry_points={"console_scripts": ["megatron-cispo-train=megatron_cispo.train:main"]},
+)
