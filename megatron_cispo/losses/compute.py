@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ..config import LossConfig
 from .aggregate import aggregate, finalize
-from .common import LossInputs, Metrics, kl_penalty, tis_weights
+from .common import LossInputs, Metrics, kl_estimate, kl_penalty, tis_weights
 from .registry import get_policy_loss, input_reasons, missing_input_message
 
 
@@ -106,9 +106,9 @@ def compute_policy_loss(
     if old_logprobs is not None and rollout_logprobs is not None:
         both = valid & torch.isfinite(old_logprobs) & torch.isfinite(rollout_logprobs)
         old, rollout = _zero_invalid(old_logprobs, both).detach(), _zero_invalid(rollout_logprobs, both).detach()
-        d = old - rollout  # log(pi_old / pi_rollout) on tokens sampled from pi_rollout
-        m.mean("mismatch/abs_logprob_diff_mean", d.abs(), both)
-        m.mean("mismatch/k3_kl", torch.expm1(d) - d, both)  # estimates KL(pi_rollout || pi_old)
+        m.mean("mismatch/abs_logprob_diff_mean", (old - rollout).abs(), both)
+        # Tokens were sampled from pi_rollout, so this estimates KL(pi_rollout || pi_old).
+        m.mean("mismatch/k3_kl", kl_estimate("k3", rollout, old), both)
     if cfg.tis.level is not None:
         per_token = per_token * tis_weights(cfg.tis, old, rollout, valid, m)
     if ref_logprobs is not None:

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from megatron_cispo.config import CispoConfig, KLConfig, LossConfig, PPOConfig, RolloutISConfig, TISConfig
+from megatron_cispo.config import CispoConfig, KLConfig, LossConfig, PPOConfig, TISConfig
 from megatron_cispo.losses import aggregate, compute_policy_loss
 
 LN = math.log
@@ -65,7 +65,7 @@ def test_cispo_token_mask_zeroes_ppo_clipped_tokens_but_keeps_them_in_denominato
     assert out.loss.item() == pytest.approx(-(0.5 * 1 * LN(0.2) + 2 * -1 * LN(0.2)) / 4, rel=1e-6)
     assert out.metrics["cispo/masked_frac"].item() == 0.5
     out.loss.backward()
-    assert torch.equal(lp.grad, torch.tensor([[0.0, -0.5 / 4, 0.0, 2.0 / 4]]))
+    assert torch.allclose(lp.grad, torch.tensor([[0.0, -0.5 / 4, 0.0, 2.0 / 4]]), rtol=1e-6, atol=0)
 
 
 def test_ppo_clipped_surrogate_hand_values_and_zero_grad_on_clipped_tokens():
@@ -208,6 +208,22 @@ def test_minus_inf_rollout_logprob_drops_token_counted_and_no_nan_anywhere():
     assert out.loss.item() == pytest.approx(hand, rel=1e-6)
 
 
+def test_garbage_at_padded_positions_never_reaches_loss_or_grad():
+    nan = math.nan
+    lp = leaf(torch.tensor([[-1.0, nan], [-2.0, -math.inf]]))
+    old = torch.tensor([[-1.5, nan], [-1.0, nan]])
+    adv = torch.tensor([[1.0, nan], [-1.0, math.inf]])
+    mask = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    for name in ("cispo", "ppo"):
+        lp.grad = None
+        out = run(LossConfig(policy_loss=name), lp, adv, mask, old_logprobs=old, ref_logprobs=old,
+                  entropy=torch.tensor([[0.5, nan], [0.5, nan]]))
+        out.loss.backward()
+        assert torch.isfinite(out.loss) and torch.isfinite(lp.grad).all(), name
+        assert lp.grad[:, 1].abs().sum().item() == 0.0 and out.denominator.item() == 2
+        assert out.metrics["policy/nonfinite_dropped"].item() == 0  # padding is not "dropped"
+
+
 def test_extreme_log_ratio_is_clamped_so_ppo_ratio_and_grad_stay_finite():
     lp = leaf(torch.tensor([[0.0, -1.0]]))
     old = torch.tensor([[-500.0, -1.0]])
@@ -242,11 +258,11 @@ def test_sequence_tis_uses_product_of_token_ratios_per_sequence():
     ("k1", lambda d: -d), ("k2", lambda d: 0.5 * d * d), ("k3", lambda d: math.exp(d) - d - 1)])
 def test_kl_penalty_estimators_hand_values_and_entropy_bonus(estimator, per_token):
     lp, adv = leaf(probs(0.5, 0.25)), torch.zeros(1, 2)  # A = 0: only KL and entropy remain
-    ref = probs(0.25, 0.5)
+    ref = probs(0.25, 0.75)
     ent = torch.tensor([[1.0, 3.0]])
     cfg = LossConfig(kl=KLConfig(coef=0.1, estimator=estimator), entropy_coef=0.01)
     out = run(cfg, lp, adv, old_logprobs=lp.detach(), ref_logprobs=ref, entropy=ent)
-    kl = [per_token(LN(0.5)), per_token(LN(2.0))]  # d = log(pi_ref / pi)
+    kl = [per_token(LN(0.5)), per_token(LN(3.0))]  # d = log(pi_ref / pi)
     assert out.metrics["policy/kl"].item() == pytest.approx(sum(kl) / 2, rel=1e-5)
     assert out.metrics["policy/entropy"].item() == 2.0
     assert out.loss.item() == pytest.approx((0.1 * sum(kl) - 0.01 * 4.0) / 2, rel=1e-5)
