@@ -153,6 +153,11 @@ def init_distributed(
         raise ValueError(f"vp={vp} (virtual pipeline stages) needs pp >= 2, got pp={pp}")
     cuda = torch.cuda.is_available()
     backend = backend or ("nccl" if cuda else "gloo")
+    if backend == "gloo" and vp is not None and pp == 2:
+        # With pp=2 the previous and next stage are the same peer; gloo matches p2p messages
+        # per peer in posting order, so interleaved activations and gradients can swap silently.
+        raise ValueError(f"vp={vp} with pp=2 is not supported over gloo (activations and gradients "
+                         "to the same peer can be mismatched); use pp >= 4 with vp, or no vp")
     if cuda:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)

@@ -34,7 +34,7 @@ def make_batch():
     return tokens, loss_mask, advantages, noise
 
 
-def policy_step_worker(tp, pp):
+def policy_step_worker(tp, pp, vp=None, layers=4, cases=tuple(CASES), micro=2):
     from megatron.core import parallel_state as mpu
 
     from megatron_cispo import runtime
@@ -42,17 +42,18 @@ def policy_step_worker(tp, pp):
     from megatron_cispo.model import ModelConfig, build_model, build_optimizer, gather_full_state
     from megatron_cispo.policy_step import Rollouts, StepConfig, compute_logprobs, policy_step
 
-    runtime.init_distributed(tp=tp, pp=pp)
-    mcfg = ModelConfig(vocab_size=V, seq_length=S, hidden_size=32, num_layers=4, num_attention_heads=4)
+    runtime.init_distributed(tp=tp, pp=pp, vp=vp)
+    mcfg = ModelConfig(vocab_size=V, seq_length=S, hidden_size=32, num_layers=layers, num_attention_heads=4)
     tokens, loss_mask, adv, noise = make_batch()
     dp_rank, dp = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
     out = {}
-    for name, (loss_over, step_kw) in CASES.items():
-        chunks = build_model(mcfg, tp=tp, pp=pp, seed=3)
+    for name in cases:
+        loss_over, step_kw = CASES[name]
+        chunks = build_model(mcfg, tp=tp, pp=pp, vp=vp, seed=3)
         opt = build_optimizer(chunks, lr=0.1, optimizer="sgd", clip_grad=1.0)
         full = Rollouts(tokens=tokens, loss_mask=loss_mask, advantages=adv, rollout_logprobs=noise)
         shard = full.dp_shard(dp_rank=dp_rank, dp=dp, minibatches=N // step_kw.get("minibatch_size", N))
-        current = compute_logprobs(chunks, shard, micro_batch_size=2)
+        current = compute_logprobs(chunks, shard, micro_batch_size=micro)
         stale = current + shard.rollout_logprobs  # a sampler some versions behind: log-ratios ~ 1
         if dp_rank == 0:
             stale[0, int(shard.loss_mask[0].nonzero()[0])] = float("-inf")  # samplers do return -inf; the token must be dropped, not NaN
@@ -61,7 +62,7 @@ def policy_step_worker(tp, pp):
         counted = []
         hook = chunks[0].module.register_forward_pre_hook(lambda *a: counted.append(1))
         metrics = policy_step(chunks, opt, batch, from_dict(LossConfig, loss_over),
-                              StepConfig(micro_batch_size=2, **step_kw))
+                              StepConfig(micro_batch_size=micro, **step_kw))
         hook.remove()
         out[name] = {"metrics": metrics, "state": gather_full_state(chunks), "hooked_forwards": len(counted)}
     return out
@@ -74,7 +75,18 @@ def reference():
 
 @pytest.mark.parametrize("tp,pp,dp", LAYOUTS)
 def test_layout_matches_single_process(reference, tp, pp, dp):
-    results = spawn(policy_step_worker, tp * pp * dp, (tp, pp))
+    _assert_matches(reference, spawn(policy_step_worker, tp * pp * dp, (tp, pp)))
+
+
+def test_interleaved_virtual_pipeline_matches_single_process():
+    """pp=4 x vp=2 (8 layers, one per virtual stage) through the interleaved 1F1B schedule,
+    which needs at least pp microbatches per step (micro_batch_size=1)."""
+    cases = ("rollout_two_steps_token_mean", "old_two_steps_seq_mean_token_sum")
+    ref = spawn(policy_step_worker, 1, (1, 1, None, 8, cases, 1))[0]
+    _assert_matches(ref, spawn(policy_step_worker, 4, (1, 4, 2, 8, cases, 1)))
+
+
+def _assert_matches(reference, results):
     for case, ref in reference.items():
         for rank, res in enumerate(results):
             got = res[case]["metrics"]

@@ -83,3 +83,11 @@ def test_optional_backends_are_detected_without_raising():
     found = optional_backends()
     assert set(found) == {"apex", "transformer_engine"}
     assert all(isinstance(v, bool) for v in found.values())
+
+
+def test_init_distributed_refuses_interleaving_over_two_gloo_stages(monkeypatch):
+    from megatron_cispo import runtime
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"vp=2 with pp=2 is not supported over gloo"):
+        runtime.init_distributed(pp=2, vp=2)

@@ -1,0 +1,151 @@
+"""Which LossConfig and logprob temperature the Megatron-LM drop-ins use, and the --cispo-* flags.
+
+install(config) or configure(config) fixes them; otherwise they are read once from Megatron's
+parsed args (the --cispo-* flags that `extra_args_provider` adds), else LossConfig() defaults.
+The --grpo-* and --rl-* flags keep their Megatron-LM meaning; see docs/integration.md.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Optional
+
+from ...config import ConfigError, LossConfig, describe_fields, from_dict
+
+# flag -> LossConfig key. KL, entropy, TIS and the PPO clip are not here on purpose: Megatron's
+# --grpo-kl-beta, --grpo-entropy-term-weight, --rl-importance-sampling-truncation-coef and
+# --grpo-clamp-eps-lower/upper already set them, and calculate_grpo_loss receives their values.
+FLAGS: dict[str, str] = {
+    "--cispo-policy-loss": "policy_loss",
+    "--cispo-anchor": "cispo.anchor",
+    "--cispo-eps-low": "cispo.eps_low",
+    "--cispo-eps-high": "cispo.eps_high",
+    "--cispo-token-mask": "cispo.token_mask",
+    "--cispo-mask-eps-low": "cispo.mask_eps_low",
+    "--cispo-mask-eps-high": "cispo.mask_eps_high",
+    "--cispo-ppo-dual-clip": "ppo.dual_clip",
+    "--cispo-rollout-is-eps-low": "rollout_is.eps_low",
+    "--cispo-rollout-is-eps-high": "rollout_is.eps_high",
+}
+TEMPERATURE_FLAG = "--cispo-temperature"
+
+_config: Optional[LossConfig] = None
+_temperature: Optional[float] = None
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the --cispo-* flags to Megatron's parser (pass as pretrain's extra_args_provider).
+
+    Every flag defaults to None, meaning "LossConfig's default", so defaults live in one place.
+    Adding them twice is a no-op.
+    """
+    if "--cispo-anchor" in parser._option_string_actions:
+        return parser
+    fields = {key: (tp, default, doc) for key, tp, default, doc in describe_fields(LossConfig)}
+    group = parser.add_argument_group("megatron_cispo", "CISPO / registry policy loss (megatron_cispo)")
+    for flag, key in FLAGS.items():
+        tp, default, doc = fields[key]
+        help_text = f"{doc} LossConfig.{key}, default {default!r}."
+        if tp == "bool":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif key == "cispo.anchor":
+            group.add_argument(flag, choices=["old", "rollout"], default=None, help=help_text)
+        elif tp == "str":
+            group.add_argument(flag, type=str, default=None, help=help_text)
+        else:
+            group.add_argument(flag, type=float, default=None, help=help_text)
+    group.add_argument(TEMPERATURE_FLAG, type=float, default=None,
+                       help="Temperature of the trainer's logprobs (old, ref and current); default 1.0 "
+                            "as in Megatron-LM. Set it to the temperature of the sampler's logprobs.")
+    return parser
+
+
+def loss_config_from_args(args: Any) -> LossConfig:
+    """LossConfig from a parsed Megatron args namespace; unset (None or absent) flags keep defaults."""
+    data: dict[str, Any] = {}
+    given = []
+    for flag, key in FLAGS.items():
+        value = getattr(args, _dest(flag), None)
+        if value is None:
+            continue
+        given.append(f"{flag}={value!r}")
+        *parents, leaf = key.split(".")
+        node = data
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    try:
+        cfg = from_dict(LossConfig, data)
+    except ConfigError as e:
+        raise ConfigError(f"invalid megatron_cispo flags ({', '.join(given)}): {e}") from e
+    check_dropin_config(cfg)
+    return cfg
+
+
+def check_dropin_config(cfg: LossConfig) -> LossConfig:
+    """Reject LossConfig settings that calculate_grpo_loss cannot honour, naming the Megatron flag."""
+    problems = []
+    if cfg.loss_agg != "token_mean":
+        problems.append(f"loss_agg={cfg.loss_agg!r}: train_rl.py's loss_func sums per-token losses over "
+                        "its own loss mask, which calculate_grpo_loss never sees; use 'token_mean' "
+                        "(and --calculate-per-token-loss for the global token mean)")
+    if cfg.tis.level is not None:
+        problems.append(f"tis.level={cfg.tis.level!r}: use Megatron's --rl-inference-logprobs-is-correction "
+                        "and --rl-importance-sampling-truncation-coef (token-level TIS, old anchor)")
+    if cfg.kl.coef != 0.0:
+        problems.append(f"kl.coef={cfg.kl.coef!r}: use Megatron's --grpo-kl-beta (k3 estimator)")
+    if cfg.entropy_coef != 0.0:
+        problems.append(f"entropy_coef={cfg.entropy_coef!r}: use Megatron's --grpo-entropy-term-weight")
+    if problems:
+        raise ConfigError("LossConfig not usable with Megatron-LM's calculate_grpo_loss: " + "; ".join(problems))
+    return cfg
+
+
+def configure(config: Optional[LossConfig] = None, *, temperature: Optional[float] = None) -> None:
+    """Fix the drop-ins' LossConfig and temperature; None means "read Megatron's args on first use"."""
+    global _config, _temperature
+    if config is not None:
+        check_dropin_config(config)
+    if temperature is not None and not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    _config, _temperature = config, temperature
+
+
+def _megatron_args() -> Any:
+    # Never import Megatron here: if megatron.training is not loaded, no Megatron run is going on.
+    training = sys.modules.get("megatron.training")
+    get_args = getattr(training, "get_args", None)
+    if get_args is None:
+        return None
+    try:
+        return get_args()
+    except AssertionError:  # Megatron asserts when args are not parsed yet
+        return None
+
+
+def loss_config() -> LossConfig:
+    """The LossConfig in force (configured, else from Megatron's --cispo-* flags, else defaults)."""
+    global _config
+    if _config is not None:
+        return _config
+    args = _megatron_args()
+    if args is None:
+        return LossConfig()  # not cached: Megatron may parse its args later
+    _config = loss_config_from_args(args)
+    return _config
+
+
+def logprob_temperature() -> float:
+    global _temperature
+    if _temperature is not None:
+        return _temperature
+    args = _megatron_args()
+    if args is None:
+        return 1.0
+    value = getattr(args, _dest(TEMPERATURE_FLAG), None)
+    _temperature = 1.0 if value is None else float(value)
+    return _temperature

@@ -1,0 +1,53 @@
+"""Vocab-parallel replacement for Megatron-LM's `megatron.rl.rl_utils.get_logprobs` (core_v0.16.x).
+
+Same signature and outputs, but the model is run with runtime_gather_output=False, so the last
+stage keeps its [b, s, v/tp] logit shard, and `token_logprobs` forms the logprobs with two small
+TP all-reduces instead of materialising [b, s, v] per rank. install() puts it in place.
+"""
+from __future__ import annotations
+
+import importlib
+from contextlib import nullcontext
+
+import torch
+from torch import Tensor
+
+from ...logprobs import token_logprobs
+from .settings import logprob_temperature
+
+RL_UTILS = "megatron.rl.rl_utils"
+
+
+def get_logprobs(model, tokens, position_ids, no_grad=False, sequence_packing=False, packed_seq_params=None):
+    """Logprobs of tokens[:, 1:] on the last pipeline stage, [b, s-1]; other stages' output as is.
+
+    tokens, position_ids: [b, s] int. The logprobs come back in the logits' dtype, as in
+    Megatron-LM: its old-logprob pass asserts that dtype, and rounding current and old logprobs
+    alike keeps the first step's ratio exactly 1. The math inside is fp32.
+    Collectives: the model's own; token_logprobs does 2 all-reduces over the model's TP group.
+    """
+    rl = importlib.import_module(RL_UTILS)  # Megatron's helpers, looked up at call time
+    args = rl.get_args()
+    if packed_seq_params is None and sequence_packing:
+        packed_seq_params = rl.get_default_packed_seq_params(
+            seq_length=tokens.shape[1],
+            max_sequences_per_bin=args.rl_sequence_packing_max_sequences_per_bin,
+            device=tokens.device,
+        )
+    # Megatron-LM turns flash-decode off for training forwards; keep that behaviour.
+    flash_decode = model.config.flash_decode
+    model.config.flash_decode = False
+    try:
+        with torch.no_grad() if no_grad else nullcontext():
+            output = model(tokens, position_ids, None, packed_seq_params=packed_seq_params,
+                           runtime_gather_output=False, fp32_output=not (args.fp16 or args.bf16))
+    finally:
+        model.config.flash_decode = flash_decode
+
+    pg_collection = rl.get_attr_wrapped_model(model, "pg_collection")
+    if not rl.is_pp_last_stage(pg_collection.pp):
+        return output
+    with torch.no_grad() if no_grad else nullcontext():
+        logprobs: Tensor = token_logprobs(output[:, :-1, :], tokens[:, 1:], tp_group=pg_collection.tp,
+                                          temperature=logprob_temperature())
+        return logprobs.to(output.dtype)

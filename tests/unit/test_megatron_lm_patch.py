@@ -1,0 +1,203 @@
+"""install(), the launcher and the vocab-parallel get_logprobs on a stand-in Megatron-LM module tree.
+
+The stand-ins have the real module paths, attribute names and 0.16 signatures (no Megatron code):
+megatron.rl.rl_utils, megatron.training (pretrain, get_args), megatron.core.package_info, train_rl.
+"""
+import argparse
+import sys
+import types
+from functools import partial
+
+import pytest
+import torch
+
+from megatron_cispo.integrations import megatron_lm as mlm
+from megatron_cispo.integrations.megatron_lm import run as launcher
+
+
+def _orig_calculate_grpo_loss(current_logprobs, old_logprobs, ref_logprobs, advantages, clamp_eps_lower,
+                              clamp_eps_upper, kl_beta, entropy_weight, inference_logprobs=None,
+                              is_truncation_coef=None, seq_starts=None, seq_lengths=None):
+    raise AssertionError("the original calculate_grpo_loss must not run once patched")
+
+
+def _orig_get_logprobs(model, tokens, position_ids, no_grad=False, sequence_packing=False, packed_seq_params=None):
+    raise AssertionError("the original get_logprobs must not run once patched")
+
+
+def _stub(*a, **k):
+    return None
+
+
+class _Tree:
+    """Builds the stand-in modules into sys.modules (undone by monkeypatch)."""
+
+    def __init__(self, monkeypatch, version="0.16.1", calculate_grpo_loss=_orig_calculate_grpo_loss, drop=()):
+        self.args = None
+        rl = types.ModuleType("megatron.rl.rl_utils")
+        rl.__file__ = "/fake/megatron/rl/rl_utils.py"
+        names = dict(calculate_grpo_loss=calculate_grpo_loss, get_logprobs=_orig_get_logprobs,
+                     get_rl_runtime_state=_stub, load_packed_data_by_index=_stub, get_args=lambda: self.args,
+                     get_attr_wrapped_model=lambda m, attr: getattr(m, attr), is_pp_last_stage=lambda pp: pp == "last",
+                     get_default_packed_seq_params=_stub)
+        for name, obj in names.items():
+            if name not in drop:
+                setattr(rl, name, obj)
+        self.pretrain = self._pretrain  # one bound-method object, imported by name like a function
+        training = types.ModuleType("megatron.training")
+        training.pretrain = self.pretrain
+        training.get_args = lambda: self.args
+        info = types.ModuleType("megatron.core.package_info")
+        info.__version__ = version
+        train_rl = types.ModuleType("train_rl")  # what `from megatron.rl.rl_utils import ...` leaves behind
+        train_rl.calculate_grpo_loss, train_rl.get_logprobs = calculate_grpo_loss, _orig_get_logprobs
+        train_rl.pretrain = self.pretrain
+        for name, mod in {"megatron.rl": types.ModuleType("megatron.rl"), "megatron.rl.rl_utils": rl,
+                          "megatron.training": training, "megatron.core.package_info": info,
+                          "train_rl": train_rl}.items():
+            monkeypatch.setitem(sys.modules, name, mod)
+        self.rl, self.training, self.train_rl = rl, training, train_rl
+        self.pretrain_calls = 0
+
+    def _pretrain(self, train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
+                  process_non_loss_data_func=None, extra_args_provider=None, args_defaults={},
+                  get_embedding_ranks=None, get_position_embedding_ranks=None, non_loss_data_func=None,
+                  store=None, inprocess_call_wrapper=None):
+        """Like Megatron's: parse argv with the extra provider, then run one forward/loss."""
+        self.pretrain_calls += 1
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--grpo-kl-beta", type=float, default=0.0)
+        if extra_args_provider is not None:
+            parser = extra_args_provider(parser)
+        self.args = parser.parse_args(sys.argv[1:])
+        output, loss_fn = forward_step_func(None, None)
+        self.result = loss_fn(output)
+
+
+def _loss_func(loss_mask, output_tensor):
+    """train_rl.loss_func's contract: (loss_sum, tokens, {'lm loss': [sum, tokens], ...})."""
+    tokens = loss_mask.sum()
+    loss = torch.cat([(output_tensor * loss_mask).sum().view(1), tokens.view(1)])
+    return loss[0], tokens.int(), {"lm loss": loss.detach().clone(), "rl/kl_term": loss.detach().clone()}
+
+
+def _forward_step(rl_module_calculate, data_iterator, model):
+    g = torch.Generator().manual_seed(0)
+    cur = -torch.rand(2, 5, generator=g)
+    loss, *_ = rl_module_calculate(current_logprobs=cur, old_logprobs=cur - 0.1, ref_logprobs=cur,
+                                   advantages=torch.tensor([-1.0, -2.0]), clamp_eps_lower=0.2, clamp_eps_upper=0.2,
+                                   kl_beta=0.0, entropy_weight=0.0, inference_logprobs=cur - 0.3)
+    return loss, partial(_loss_func, torch.ones(2, 5))
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    yield
+    mlm.uninstall()
+
+
+def test_install_patches_rl_utils_and_names_train_rl_imported_and_is_idempotent(monkeypatch):
+    tree = _Tree(monkeypatch)
+    mlm.install()
+    mlm.install()
+    for mod in (tree.rl, tree.train_rl):
+        assert mod.calculate_grpo_loss is mlm.calculate_grpo_loss
+        assert mod.get_logprobs is mlm.get_logprobs
+    assert mlm.installed()
+    assert tree.training.pretrain is tree.train_rl.pretrain
+    assert tree.training.pretrain.__wrapped__ is tree.pretrain  # wrapped once, not twice
+    mlm.uninstall()
+    assert tree.rl.calculate_grpo_loss is _orig_calculate_grpo_loss
+    assert tree.train_rl.get_logprobs is _orig_get_logprobs
+    assert tree.train_rl.pretrain is tree.pretrain and not mlm.installed()
+
+
+def test_install_fails_clearly_on_a_mismatched_signature_and_patches_nothing(monkeypatch):
+    def older(current_logprobs, old_logprobs, ref_logprobs, advantages, clamp_eps_lower, clamp_eps_upper,
+              kl_beta, entropy_weight, inference_logprobs=None, is_truncation_coef=None):
+        pass
+    tree = _Tree(monkeypatch, version="0.15.0", calculate_grpo_loss=older)
+    with pytest.raises(mlm.MegatronLMVersionError) as e:
+        mlm.install()
+    msg = str(e.value)
+    for part in ("calculate_grpo_loss", "parameter 10: expected seq_starts=None, found nothing",
+                 "megatron-core 0.15.0", "/fake/megatron/rl/rl_utils.py", "core_v0.16.1"):
+        assert part in msg
+    assert tree.rl.calculate_grpo_loss is older and tree.rl.get_logprobs is _orig_get_logprobs
+
+
+def test_install_fails_clearly_when_a_symbol_is_missing(monkeypatch):
+    _Tree(monkeypatch, version="0.17.0rc0", drop=("get_logprobs", "get_rl_runtime_state"))
+    with pytest.raises(mlm.MegatronLMVersionError, match=r"lacks get_logprobs, get_rl_runtime_state.*0\.17\.0rc0"):
+        mlm.install()
+
+
+def test_install_without_megatron_lm_says_to_put_it_on_pythonpath(monkeypatch):
+    monkeypatch.setitem(sys.modules, "megatron.rl", None)  # makes the import fail
+    with pytest.raises(mlm.MegatronLMVersionError, match="PYTHONPATH"):
+        mlm.install()
+
+
+def test_patched_pretrain_adds_cispo_flags_and_reports_negated_loss(monkeypatch):
+    tree = _Tree(monkeypatch)
+    monkeypatch.setattr(sys, "argv", ["train_rl.py", "--cispo-anchor", "rollout", "--cispo-eps-high", "0.5"])
+    mlm.install()
+    tree.train_rl.pretrain(None, None, None, partial(_forward_step, tree.train_rl.calculate_grpo_loss))
+    assert mlm.loss_config().cispo.anchor == "rollout" and mlm.loss_config().cispo.eps_high == 0.5
+    loss, tokens, report = tree.result
+    assert loss < 0  # -w * A * log pi < 0 for A < 0: Megatron's console would hide 'lm loss'
+    assert report["neg lm loss"][0] == -report["lm loss"][0] > 0
+    assert report["neg lm loss"][1] == report["lm loss"][1] == 10
+
+
+def test_launcher_runs_the_script_as_main_with_the_patch_in_place(monkeypatch, tmp_path):
+    tree = _Tree(monkeypatch)
+    script = tmp_path / "train_rl.py"
+    script.write_text(
+        "from megatron.rl.rl_utils import calculate_grpo_loss, get_logprobs\n"
+        "from megatron.training import pretrain\n"
+        "import sys\n"
+        "sys.modules['megatron.training'].seen = (__name__, calculate_grpo_loss, get_logprobs, pretrain)\n")
+    monkeypatch.setattr(sys, "argv", ["run"])
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert launcher.main([str(script), "--cispo-anchor", "rollout"]) == 0
+    name, calc, getlp, pretrain = tree.training.seen
+    assert name == "__main__" and calc is mlm.calculate_grpo_loss and getlp is mlm.get_logprobs
+    assert pretrain.__wrapped__ is tree.pretrain
+    assert sys.argv == [str(script), "--cispo-anchor", "rollout"] and sys.path[0] == str(tmp_path)
+
+
+def test_launcher_without_a_script_prints_usage(capsys):
+    assert launcher.main([]) == 2
+    assert "usage" in capsys.readouterr().err
+
+
+class _Model:
+    def __init__(self, logits):
+        self.logits, self.calls = logits, []
+        self.config = types.SimpleNamespace(flash_decode=True)
+        self.pg_collection = types.SimpleNamespace(pp="last", tp=None)
+
+    def __call__(self, tokens, position_ids, attention_mask, **kwargs):
+        self.calls.append((self.config.flash_decode, kwargs))
+        return self.logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vocab_parallel_get_logprobs_keeps_the_shard_and_matches_log_softmax(monkeypatch, dtype):
+    tree = _Tree(monkeypatch)
+    tree.args = argparse.Namespace(fp16=False, bf16=dtype == torch.bfloat16, rl_sequence_packing_max_sequences_per_bin=8)
+    logits = torch.randn(2, 6, 11, generator=torch.Generator().manual_seed(0)).to(dtype).requires_grad_(True)
+    tokens = torch.randint(0, 11, (2, 6), generator=torch.Generator().manual_seed(1))
+    model = _Model(logits)
+    lp = mlm.get_logprobs(model, tokens, torch.arange(6).expand(2, 6))
+    flash, kwargs = model.calls[0]
+    assert kwargs["runtime_gather_output"] is False and kwargs["fp32_output"] is (dtype == torch.float32)
+    assert flash is False and model.config.flash_decode is True  # off for the forward, restored after
+    want = torch.log_softmax(logits.float()[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    assert lp.shape == (2, 5) and lp.dtype == dtype  # Megatron's old-logprob pass asserts this dtype
+    torch.testing.assert_close(lp.float(), want.to(dtype).float())
+    lp.float().sum().backward()
+    assert logits.grad is not None and logits.grad.shape == logits.shape
+    model.pg_collection.pp = "first"
+    assert mlm.get_logprobs(model, tokens, None, no_grad=True) is logits  # non-last stage: output as is
