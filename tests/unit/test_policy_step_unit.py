@@ -1,0 +1,98 @@
+"""Single-process checks of the policy-step pieces: the pi_old plan, input validation, reports."""
+import types
+
+import pytest
+import torch
+
+from megatron_cispo.config import LossConfig, from_dict
+from megatron_cispo.policy_step import Rollouts, StepConfig, check_megatron_config, plan_old_logprobs
+from megatron_cispo.reduce import merge_reports, reduce_reports
+
+
+def cfg(**over):
+    return from_dict(LossConfig, over)
+
+
+@pytest.mark.parametrize("loss,steps,have_old,expect", [
+    ({"cispo": {"anchor": "rollout"}}, 4, False, "unused"),  # the rollout anchor never reads pi_old
+    ({"cispo": {"anchor": "rollout"}}, 1, False, "unused"),
+    ({"cispo": {"anchor": "old"}}, 1, False, "from_training_forward"),  # pi_old == pi_theta
+    ({"cispo": {"anchor": "old"}}, 2, False, "pass"),
+    ({"cispo": {"anchor": "old"}}, 2, True, "given"),
+    ({"policy_loss": "ppo"}, 1, False, "from_training_forward"),
+    ({"policy_loss": "ppo"}, 3, False, "pass"),
+    ({"policy_loss": "rollout_is"}, 3, False, "unused"),
+    # TIS multiplies by pi_old / pi_rollout, so the old anchor with TIS needs pi_old
+    ({"cispo": {"anchor": "old"}, "tis": {"level": "token"}}, 3, False, "pass"),
+])
+def test_old_logprob_plan_consults_the_anchor(loss, steps, have_old, expect):
+    assert plan_old_logprobs(cfg(**loss), StepConfig(), optimizer_steps=steps, have_old=have_old) == expect
+
+
+def test_old_logprob_pass_can_be_forced():
+    plan = plan_old_logprobs(cfg(), StepConfig(old_logprob_pass="always"), optimizer_steps=1, have_old=False)
+    assert plan == "pass"
+
+
+def _fake_chunk(per_token=True, average_in_collective=False):
+    config = types.SimpleNamespace(calculate_per_token_loss=per_token)
+    return types.SimpleNamespace(config=config,
+                                 ddp_config=types.SimpleNamespace(average_in_collective=average_in_collective))
+
+
+def test_check_megatron_config_requires_per_token_loss():
+    with pytest.raises(ValueError, match=r"calculate_per_token_loss=True \(got False\)"):
+        check_megatron_config([_fake_chunk(per_token=False)])
+
+
+def test_check_megatron_config_rejects_averaging_in_the_collective():
+    with pytest.raises(ValueError, match=r"average_in_collective=False \(got True\)"):
+        check_megatron_config([_fake_chunk(average_in_collective=True)])
+    check_megatron_config([_fake_chunk()])  # the valid contract passes
+
+
+def test_rollouts_validate_shapes_naming_both():
+    tokens = torch.zeros(4, 9, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"rollouts.loss_mask has shape \(4, 9\); expected \[n, s\] = \(4, 8\)"):
+        Rollouts(tokens=tokens, loss_mask=torch.ones(4, 9, dtype=torch.bool), advantages=torch.zeros(4))
+    with pytest.raises(ValueError, match=r"rollouts.advantages has shape \(3,\)"):
+        Rollouts(tokens=tokens, loss_mask=torch.ones(4, 8, dtype=torch.bool), advantages=torch.zeros(3))
+    with pytest.raises(ValueError, match=r"rollouts.tokens must be an int"):
+        Rollouts(tokens=tokens.float(), loss_mask=torch.ones(4, 8, dtype=torch.bool), advantages=torch.zeros(4))
+
+
+def test_dp_shard_keeps_each_minibatch_made_of_the_same_global_sequences():
+    n = 8
+    batch = Rollouts(tokens=torch.arange(n)[:, None].repeat(1, 3), loss_mask=torch.ones(n, 2, dtype=torch.bool),
+                     advantages=torch.arange(n).float())
+    r0 = batch.dp_shard(dp_rank=0, dp=2, minibatches=2)
+    r1 = batch.dp_shard(dp_rank=1, dp=2, minibatches=2)
+    # minibatch 0 = global sequences 0..3, split over the two ranks; minibatch 1 = 4..7
+    assert r0.advantages.tolist() == [0, 1, 4, 5]
+    assert r1.advantages.tolist() == [2, 3, 6, 7]
+    with pytest.raises(ValueError, match="does not split into 3 minibatches over dp=2"):
+        batch.dp_shard(dp_rank=0, dp=2, minibatches=3)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    ({"micro_batch_size": 0}, "micro_batch_size must be >= 1, got 0"),
+    ({"epochs": 0}, "epochs must be >= 1, got 0"),
+    ({"minibatch_size": 0}, "minibatch_size must be >= 1 or None, got 0"),
+    ({"temperature": 0.0}, "temperature must be > 0, got 0.0"),
+])
+def test_step_config_validation(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        StepConfig(**kw)
+
+
+def test_reports_sum_means_and_keep_min_max_exact():
+    a = {"sum": {"r": torch.tensor([3.0, 2.0])}, "min": {"r_min": torch.tensor(0.5)},
+         "max": {"r_max": torch.tensor(2.0)}, "total": {"tokens": torch.tensor(2.0)}}
+    b = {"sum": {"r": torch.tensor([1.0, 2.0])}, "min": {"r_min": torch.tensor(0.25)},
+         "max": {"r_max": torch.tensor(1.5)}, "total": {"tokens": torch.tensor(2.0)}}
+    merged = merge_reports([a, b])
+    assert merged["sum"]["r"].tolist() == [4.0, 4.0]
+    out = reduce_reports([a, b])
+    # the mean of means would be (1.5 + 0.5) / 2 = 1.0; the exact token mean is 4 / 4
+    assert out == {"r": 1.0, "r_min": 0.25, "r_max": 2.0, "tokens": 4.0}
+    assert a["sum"]["r"].tolist() == [3.0, 2.0]  # inputs untouched
