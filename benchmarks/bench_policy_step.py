@@ -54,7 +54,7 @@ def _ce_forward_step(calls: list):
     """The plain LM step's forward_step: megatron-core CE, (loss_sum, num_tokens, report)."""
     from megatron.core import tensor_parallel
 
-    from megatron_cispo.policy_step import _model_inputs
+    from megatron_cispo.policy_step import _forward_step_for
 
     def loss_func(mb, logits):
         losses = tensor_parallel.vocab_parallel_cross_entropy(logits, mb["tokens"][:, 1:])
@@ -63,13 +63,7 @@ def _ce_forward_step(calls: list):
         num_tokens = mask.sum().detach().to(torch.int)
         return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), num_tokens.view(1)])}
 
-    def forward_step(data_iterator, model):
-        mb = next(data_iterator)
-        calls.append(1)
-        tokens, pos = _model_inputs(mb)
-        return model(tokens, pos, None), partial(loss_func, mb)
-
-    return forward_step
+    return _forward_step_for(loss_func, calls)
 
 
 def _ce_step(chunks, optimizer, batch, micro: int) -> dict[str, float]:

@@ -125,9 +125,17 @@ def plan_old_logprobs(loss_cfg: LossConfig, step_cfg: StepConfig, *, optimizer_s
     return "pass"
 
 
-def _model_inputs(mb: dict[str, Tensor]):
-    tokens = mb["tokens"][:, :-1]
-    return tokens, torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+def _forward_step_for(loss_func, calls: Optional[list]):
+    """forward_step(data_iterator, model) that runs the model on a microbatch dict and hands
+    `loss_func(mb, output)` to the schedule; `calls` gets one entry per model forward."""
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        if calls is not None:
+            calls.append(1)
+        tokens = mb["tokens"][:, :-1]
+        pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        return model(tokens, pos, None), partial(loss_func, mb)
+    return forward_step
 
 
 def make_forward_step(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_size: Optional[int] = None,
@@ -151,14 +159,7 @@ def make_forward_step(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_s
             rollout_logprobs=mb.get("rollout_logprobs"), ref_logprobs=mb.get("ref_logprobs"), entropy=ent)
         return res.loss_sum, res.denominator.round().to(torch.int), make_report(res)
 
-    def forward_step(data_iterator, model):
-        mb = next(data_iterator)
-        if calls is not None:
-            calls.append(1)
-        tokens, pos = _model_inputs(mb)
-        return model(tokens, pos, None), partial(loss_func, mb)
-
-    return forward_step
+    return _forward_step_for(loss_func, calls)
 
 
 def _run_schedule(chunks, forward_step, microbatches: list, *, forward_only: bool):
@@ -184,13 +185,7 @@ def compute_logprobs(chunks, batch: Rollouts, *, micro_batch_size: int, temperat
         lp = token_logprobs(logits, mb["tokens"][:, 1:], temperature=temperature, vocab_size=vocab_size)
         return lp.sum(), torch.tensor(0, dtype=torch.int), {"logprobs": lp.detach()}
 
-    def forward_step(data_iterator, model):
-        mb = next(data_iterator)
-        if calls is not None:
-            calls.append(1)
-        tokens, pos = _model_inputs(mb)
-        return model(tokens, pos, None), partial(loss_func, mb)
-
+    forward_step = _forward_step_for(loss_func, calls)
     n, s = batch.tokens.shape[0], batch.tokens.shape[1] - 1
     for c in chunks:
         c.eval()
