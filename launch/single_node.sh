@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# One node, one process per GPU (or NPROC CPU processes over gloo when there is no GPU).
+#   bash launch/single_node.sh yaml_configs/demo_cpu.yaml loss.cispo.anchor=rollout
+#   NPROC=8 bash launch/single_node.sh yaml_configs/gpu_template.yaml run.steps=100
+# Env: NPROC (default: the GPU count, else 4), MASTER_PORT (default 29500), PY (python to use).
+source "$(dirname "$0")/common.sh"
+CONFIG=${1:?usage: bash launch/single_node.sh CONFIG [key=value ...]}
+shift
+if [ "$NGPU" -gt 0 ]; then NPROC=${NPROC:-$NGPU}; else NPROC=${NPROC:-4}; fi
+preflight "$CONFIG" "$NPROC" "$@"
+exec "$PY" -m torch.distributed.run --nnodes 1 --nproc-per-node "$NPROC" \
+  --master-addr 127.0.0.1 --master-port "${MASTER_PORT:-29500}" \
+  -m megatron_cispo.train "$CONFIG" "$@"

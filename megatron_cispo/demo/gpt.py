@@ -1,0 +1,87 @@
+"""A plain-PyTorch GPT that runs megatron-core GPTModel weights: the sampler's inference engine.
+
+    logits = TorchGPT(gather_full_state(chunks), model_cfg, dtype=torch.bfloat16).logits(tokens)
+
+It reads the full (unsharded) state under megatron's global parameter names, from the local
+or the Transformer Engine layer spec, and reproduces GPTModel's forward (learned positions,
+pre-LayerNorm blocks, per-head interleaved QKV, GeLU MLP, untied output layer).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+# Transformer Engine fuses the pre-attention/pre-MLP norms into the next linear layer.
+_TE_NAMES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+}
+
+
+def canonical_names(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Map TE-spec parameter names onto the local spec's names; other names pass through."""
+    out = {}
+    for name, t in state.items():
+        for te, local in _TE_NAMES.items():
+            if name.endswith(te):
+                name = name[: -len(te)] + local
+        out[name] = t
+    return out
+
+
+class TorchGPT:
+    """Forward-only GPT over a dict of full tensors; no autograd, no process groups."""
+
+    def __init__(self, state: dict[str, Tensor], cfg, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu", eps: float = 1e-5):
+        self.cfg, self.eps = cfg, eps  # cfg: model.ModelConfig
+        self.w = {k: v.to(device=device, dtype=dtype) for k, v in canonical_names(state).items()}
+        missing = [k for k in self._expected() if k not in self.w]
+        if missing:
+            raise KeyError(f"state lacks {len(missing)} GPTModel parameters, e.g. {missing[:3]}")
+
+    def _expected(self) -> list[str]:
+        names = ["embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
+                 "decoder.final_layernorm.weight", "output_layer.weight"]
+        for i in range(self.cfg.num_layers):
+            names += [f"decoder.layers.{i}.{n}" for n in (
+                "input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
+                "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")]
+        return names
+
+    def _ln(self, x: Tensor, prefix: str) -> Tensor:
+        return F.layer_norm(x, x.shape[-1:], self.w[prefix + ".weight"], self.w.get(prefix + ".bias"), self.eps)
+
+    def _linear(self, x: Tensor, prefix: str) -> Tensor:
+        return F.linear(x, self.w[prefix + ".weight"], self.w.get(prefix + ".bias"))
+
+    def _attention(self, x: Tensor, p: str) -> Tensor:
+        b, s, _ = x.shape
+        nh = self.cfg.num_attention_heads
+        hn = self.cfg.hidden_size // nh
+        # megatron's QKV rows are grouped per query group: [q, k, v] blocks of hn rows per head.
+        qkv = self._linear(x, p + ".linear_qkv").view(b, s, nh, 3 * hn)
+        q, k, v = (t.transpose(1, 2) for t in qkv.split(hn, dim=-1))  # [b, nh, s, hn]
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(hn)
+        causal = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+        probs = scores.masked_fill(causal, float("-inf")).softmax(-1)
+        ctx = (probs @ v).transpose(1, 2).reshape(b, s, nh * hn)
+        return self._linear(ctx, p + ".linear_proj")
+
+    @torch.no_grad()
+    def logits(self, tokens: Tensor) -> Tensor:
+        """tokens: [b, s] int64 -> logits [b, s, vocab] in the model dtype."""
+        s = tokens.shape[1]
+        pos = torch.arange(s, device=tokens.device)
+        h = self.w["embedding.word_embeddings.weight"][tokens] + self.w["embedding.position_embeddings.weight"][pos]
+        for i in range(self.cfg.num_layers):
+            p = f"decoder.layers.{i}"
+            h = h + self._attention(self._ln(h, p + ".input_layernorm"), p + ".self_attention")
+            m = F.gelu(self._linear(self._ln(h, p + ".pre_mlp_layernorm"), p + ".mlp.linear_fc1"))
+            h = h + self._linear(m, p + ".mlp.linear_fc2")
+        return F.linear(self._ln(h, "decoder.final_layernorm"), self.w["output_layer.weight"])

@@ -1,0 +1,117 @@
+"""The trainer loop of the fully-async demo: sample (stale), one policy step, weight sync, log.
+
+    run(load_experiment("yaml_configs/demo_cpu.yaml"))   # under torchrun, via megatron_cispo.train
+
+Each step t: the sampler produces the global batch with policy version max(0, t - staleness);
+this rank trains on its DP shard with exactly one optimizer step (policy_step); the trainer's
+TP/PP shards are gathered (`gather_full_state`) and pushed to the sampler as version t + 1.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from ..config import ConfigError
+from ..experiment import ExperimentConfig, dump_yaml
+from . import checkpoint
+from .metrics import MetricsWriter, headline
+from .sampler import Sampler
+
+
+def _set_lr(optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def _record(step: int, batch, metrics: dict, cfg: ExperimentConfig, lr: float, dt: float, elapsed: float) -> dict:
+    rec = {"step": step + 1, "reward_mean": batch.rewards.mean().item(),
+           "exact_match": batch.correct.all(1).float().mean().item(),
+           "position_acc": batch.correct.float().mean().item(),
+           **headline(metrics, cfg.loss.policy_loss),
+           "policy_version_lag": step - batch.version, "sampler_version": batch.version, "lr": lr}
+    rec["tokens_per_s"] = rec.get("tokens", 0.0) / dt
+    rec.update({"step_time_s": dt, "elapsed_s": elapsed})
+    rec.update(sorted(metrics.items()))
+    return rec
+
+
+def run(cfg: ExperimentConfig) -> None:
+    """Run the experiment in this process (one rank of the job); collective over the world.
+
+    Raises ConfigError (the same on every rank) for a layout or checkpoint that cannot be used.
+    """
+    if cfg.model.dtype == "bf16" and not torch.cuda.is_available():
+        raise ConfigError("model.dtype: 'bf16' needs CUDA (megatron's mixed-precision optimizer wraps only "
+                          "CUDA tensors); use fp32 on CPU. rollout.precision=bf16 still gives a bf16 sampler")
+    from megatron.core import parallel_state as mpu
+
+    from .. import runtime
+    from ..model import build_model, build_optimizer, gather_full_state
+    from ..policy_step import Rollouts, StepConfig, policy_step
+
+    p = cfg.parallelism
+    try:
+        env = runtime.init_distributed(tp=p.tp, pp=p.pp, vp=p.vp, seed=cfg.run.seed)
+    except ValueError as e:  # a layout this runtime cannot run; raised identically on every rank
+        raise ConfigError(f"parallelism: {e}") from e
+    try:
+        torch.manual_seed(cfg.run.seed)
+        chunks = build_model(cfg.model, tp=p.tp, pp=p.pp, vp=p.vp, seed=cfg.run.seed)
+        o = cfg.optimizer
+        optimizer = build_optimizer(chunks, lr=o.lr, optimizer=o.name, weight_decay=o.weight_decay,
+                                    clip_grad=o.clip_grad, adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2,
+                                    bf16=cfg.model.dtype == "bf16")
+        sampler = Sampler(cfg.model, cfg.rollout, seed=cfg.run.seed, device=env.device)
+        layout = {"tp": p.tp, "pp": p.pp, "vp": p.vp, "world_size": env.world_size}
+        start = 0
+        last = checkpoint.last_complete(cfg.run.run_dir) if cfg.run.resume else None
+        if last is not None:
+            start = checkpoint.load(last, chunks=chunks, optimizer=optimizer, sampler=sampler, layout=layout)
+        else:
+            sampler.sync(0, gather_full_state(chunks))  # version 0: the initial weights
+        step_cfg = StepConfig(micro_batch_size=p.micro_batch_size, temperature=cfg.rollout.temperature)
+        dp_rank, dp = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+        writer = None
+        if env.rank == 0:
+            writer = MetricsWriter(cfg.run.run_dir, label=cfg.label, total_steps=cfg.run.steps,
+                                   log_interval=cfg.run.log_interval, start_step=start,
+                                   tensorboard=cfg.run.tensorboard)
+            (writer.dir / "config.yaml").write_text(dump_yaml(cfg))
+            resumed = f", resumed from {last}" if last is not None else ""
+            print(f"[{cfg.label}] world {env.world_size} = tp {p.tp} x pp {p.pp} x dp {dp} on {env.backend}; "
+                  f"{cfg.run.steps} steps, sampler lags {cfg.rollout.staleness} versions in "
+                  f"{cfg.rollout.precision}{resumed}", flush=True)
+        t_start = time.perf_counter()
+        for step in range(start, cfg.run.steps):
+            t0 = time.perf_counter()
+            lr = o.lr_at(step, cfg.run.steps)
+            _set_lr(optimizer, lr)
+            batch = sampler.rollouts(step)
+            local = Rollouts(**{k: v.to(env.device) for k, v in batch.shard(dp_rank, dp).items()})
+            metrics = policy_step(chunks, optimizer, local, cfg.loss, step_cfg, vocab_size=cfg.model.vocab_size)
+            sampler.sync(step + 1, gather_full_state(chunks))  # the explicit weight-sync step
+            if writer is not None:
+                now = time.perf_counter()
+                writer.log(_record(step, batch, metrics, cfg, lr, now - t0, now - t_start))
+            if cfg.run.checkpoint_interval and (step + 1) % cfg.run.checkpoint_interval == 0:
+                checkpoint.save(cfg.run.run_dir, step + 1, chunks=chunks, optimizer=optimizer, sampler=sampler,
+                                layout=layout, keep=cfg.run.checkpoint_keep)
+        if writer is not None:
+            writer.close()
+            _finish(cfg, writer.dir, time.perf_counter() - t_start)
+    finally:
+        runtime.shutdown()
+
+
+def _finish(cfg: ExperimentConfig, run_dir, seconds: float) -> None:
+    """Rank 0: summary.json and this run's figure."""
+    from .report import plot_runs, summarize
+
+    summary = summarize(run_dir)
+    summary["train_seconds"] = seconds
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    png = plot_runs([run_dir], run_dir / "metrics.png")
+    print(f"[{cfg.label}] done in {seconds:.0f}s: reward {summary['reward_first']:.3f} -> "
+          f"{summary['reward_last']:.3f}; wrote {run_dir}/metrics.jsonl" + (f", {png}" if png else ""), flush=True)

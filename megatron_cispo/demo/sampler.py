@@ -1,0 +1,109 @@
+"""The sampler: a separate copy of the policy that lags the trainer by `staleness` versions.
+
+    sampler.sync(version, gather_full_state(chunks))   # explicit weight sync (collective gather)
+    batch = sampler.rollouts(step)                      # global batch, sampled with version step - k
+
+As in a fully-async system it never reads the trainer's live parameters: it keeps the synced
+versions in a queue, samples with its own temperature and precision (e.g. bf16 against an
+fp32 trainer) and returns its per-token logprobs. Every rank generates the whole global batch
+from generators keyed by (seed, step, global sample index) and keeps its DP shard.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .gpt import TorchGPT
+from .task import Task, group_advantages, keyed_generator
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Batch:
+    """A global rollout batch of n = prompts * group sequences (total_len tokens each)."""
+
+    tokens: Tensor            # [n, total_len] int64
+    loss_mask: Tensor         # [n, total_len - 1] bool
+    rollout_logprobs: Tensor  # [n, total_len - 1] fp32 (0 outside the answer)
+    rewards: Tensor           # [n] fp32
+    advantages: Tensor        # [n] fp32
+    correct: Tensor           # [n, answer_len] bool
+    version: int              # policy version that sampled it
+
+    def shard(self, rank: int, size: int) -> dict[str, Tensor]:
+        """Contiguous DP shard (rank of size) as Rollouts fields."""
+        n = self.tokens.shape[0] // size
+        sl = slice(rank * n, (rank + 1) * n)
+        return {"tokens": self.tokens[sl], "loss_mask": self.loss_mask[sl],
+                "advantages": self.advantages[sl], "rollout_logprobs": self.rollout_logprobs[sl]}
+
+
+class Sampler:
+    def __init__(self, model_cfg, rollout_cfg, *, seed: int, device: torch.device | str = "cpu"):
+        self.model_cfg, self.cfg, self.seed, self.device = model_cfg, rollout_cfg, seed, device
+        self.task = Task(rollout_cfg)
+        self.versions: dict[int, dict[str, Tensor]] = {}  # policy version -> full fp32 state
+
+    def version_for(self, step: int) -> int:
+        """The policy version used for rollouts of 0-based `step` (the trainer is at version step)."""
+        return max(0, step - self.cfg.staleness)
+
+    def sync(self, version: int, full_state: dict[str, Tensor]) -> None:
+        """Receive the trainer's weights after `version` optimizer steps; drop versions never needed again."""
+        self.versions[version] = {k: v.detach().to("cpu", torch.float32, copy=True) for k, v in full_state.items()}
+        for v in [v for v in self.versions if v < version - self.cfg.staleness]:
+            del self.versions[v]
+
+    def engine(self, version: int) -> TorchGPT:
+        if version not in self.versions:
+            raise KeyError(f"sampler has no weights of policy version {version} (has {sorted(self.versions)})")
+        return TorchGPT(self.versions[version], self.model_cfg, dtype=_DTYPES[self.cfg.precision],
+                        device=self.device)
+
+    @torch.no_grad()
+    def generate(self, engine: TorchGPT, prompts: Tensor, step: int) -> tuple[Tensor, Tensor]:
+        """Sample answer_len tokens per row -> (tokens [n, total_len], logprobs [n, answer_len] fp32).
+
+        Row i is global sample index step * n + i; its uniforms come from a generator keyed by it.
+        Recomputes the whole prefix per token (no KV cache): sequences are a dozen tokens.
+        """
+        n, a = prompts.shape[0], self.task.answer_len
+        u = torch.stack([torch.rand(a, generator=keyed_generator(self.seed, "sample", step * n + i))
+                         for i in range(n)]).to(self.device)
+        tokens, logps = prompts.to(self.device), []
+        for j in range(a):
+            logits = engine.logits(tokens)[:, -1].float() / self.cfg.temperature
+            logp = torch.log_softmax(logits, -1)
+            cdf = logp.exp().cumsum(-1)
+            nxt = torch.searchsorted(cdf, (u[:, j] * cdf[:, -1]).unsqueeze(1)).clamp_(max=logits.shape[-1] - 1)
+            logps.append(logp.gather(1, nxt).squeeze(1))
+            tokens = torch.cat([tokens, nxt], 1)
+        return tokens.cpu(), torch.stack(logps, 1).cpu()
+
+    def rollouts(self, step: int) -> Batch:
+        """The global batch of 0-based `step`: prompts x group samples, rewards, group advantages."""
+        version = self.version_for(step)
+        g, p = self.cfg.group_size, self.cfg.prompts_per_step
+        prompts = self.task.prompts(self.seed, step, p).repeat_interleave(g, 0)
+        tokens, answer_lp = self.generate(self.engine(version), prompts, step)
+        rewards, correct = self.task.rewards(tokens)
+        mask = self.task.loss_mask(tokens.shape[0])
+        a = self.task.answer_len
+        rollout_lp = torch.zeros(mask.shape)
+        rollout_lp[:, -a:] = answer_lp
+        if self.cfg.credit == "token":
+            advantages = torch.zeros(mask.shape)
+            advantages[:, -a:] = group_advantages(correct.float(), g)
+        else:
+            advantages = group_advantages(rewards, g)
+        return Batch(tokens=tokens, loss_mask=mask, rollout_logprobs=rollout_lp, rewards=rewards,
+                     advantages=advantages, correct=correct, version=version)
+
+    def state_dict(self) -> dict:
+        return {"versions": self.versions}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.versions = dict(state["versions"])

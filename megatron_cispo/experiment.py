@@ -1,0 +1,291 @@
+"""The YAML experiment schema (frozen dataclasses) and its loader.
+
+    cfg = load_experiment("yaml_configs/demo_cpu.yaml", ["loss.cispo.anchor=rollout"])
+    python -m megatron_cispo.experiment --doc > docs/configuration.md   # regenerate the docs
+
+A file may inherit from others (`defaults:`), values may read the environment (`${VAR}`,
+`${VAR:-fallback}`), and dotted overrides are applied last. Errors are `ConfigError`s naming
+the full key path and the expected type; nothing here imports megatron-core.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import typing
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+from .config import ConfigError, LossConfig, apply_overrides, config_field, describe_fields, from_dict, \
+    parse_override_value, to_dict
+from .model import ModelConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    tp: int = config_field(1, "Tensor-parallel size.")
+    pp: int = config_field(1, "Pipeline-parallel size.")
+    vp: Optional[int] = config_field(None, "Virtual pipeline stages per rank (interleaved 1F1B); needs pp >= 2.")
+    micro_batch_size: int = config_field(8, "Sequences per microbatch per data-parallel rank.")
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallelism.{name} must be >= 1, got {getattr(self, name)}")
+        if self.vp is not None and (self.vp < 1 or self.pp < 2):
+            raise ValueError(f"parallelism.vp={self.vp} needs vp >= 1 and pp >= 2 (pp={self.pp}); "
+                             "set vp: null for the plain 1F1B schedule")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    name: Literal["adam", "sgd"] = config_field("adam", "Megatron optimizer.")
+    lr: float = config_field(1e-3, "Peak learning rate.")
+    min_lr: float = config_field(0.0, "Final learning rate of the cosine/linear decay.")
+    schedule: Literal["constant", "cosine", "linear"] = config_field(
+        "constant", "Decay after warmup, from lr to min_lr over the run.")
+    warmup_steps: int = config_field(0, "Linear warmup from 0 to lr over this many steps.")
+    weight_decay: float = config_field(0.0, "Decoupled weight decay.")
+    clip_grad: float = config_field(1.0, "Global grad-norm clip; 0 disables clipping.")
+    adam_beta1: float = config_field(0.9, "Adam beta1.")
+    adam_beta2: float = config_field(0.999, "Adam beta2.")
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"optimizer.lr={self.lr} must be > 0 and optimizer.min_lr={self.min_lr} in [0, lr]")
+        if self.warmup_steps < 0:
+            raise ValueError(f"optimizer.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.clip_grad < 0:
+            raise ValueError(f"optimizer.clip_grad must be >= 0, got {self.clip_grad}")
+
+    def lr_at(self, step: int, total: int) -> float:
+        """Learning rate of 0-based optimizer step `step` out of `total`."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.schedule == "constant":
+            return self.lr
+        frac = (step - self.warmup_steps) / max(1, total - self.warmup_steps)
+        decay = 0.5 * (1.0 + math.cos(math.pi * frac)) if self.schedule == "cosine" else 1.0 - frac
+        return self.min_lr + (self.lr - self.min_lr) * decay
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    task: Literal["copy", "reverse", "sort", "add"] = config_field(
+        "reverse", "Synthetic task: answer = the digits copied, reversed, sorted, or a+b (LSB first).")
+    digits: int = config_field(4, "Digits per prompt operand.")
+    base: int = config_field(10, "Digit alphabet size; the task uses base + 3 token ids.")
+    reward: Literal["per_position", "exact_match"] = config_field(
+        "per_position", "Fraction of answer positions right, or 1 only when all are.")
+    credit: Literal["sequence", "token"] = config_field(
+        "sequence", "Advantage per sample from its reward, or per answer token from that position's "
+        "correctness (token needs reward=per_position); both normalised within the group.")
+    prompts_per_step: int = config_field(16, "Prompts per step (global, over all DP ranks).")
+    group_size: int = config_field(4, "Samples per prompt; advantages are normalised within a group.")
+    staleness: int = config_field(2, "Policy versions the sampler lags: step t samples with version max(0, t-k).")
+    temperature: float = config_field(1.0, "Sampler temperature (the trainer scores with the same).")
+    precision: Literal["fp32", "bf16"] = config_field("bf16", "Sampler weights/compute dtype.")
+
+    def __post_init__(self) -> None:
+        for name, low in (("digits", 1), ("base", 2), ("prompts_per_step", 1), ("group_size", 2), ("staleness", 0)):
+            if getattr(self, name) < low:
+                raise ValueError(f"rollout.{name} must be >= {low}, got {getattr(self, name)}")
+        if not self.temperature > 0:
+            raise ValueError(f"rollout.temperature must be > 0, got {self.temperature}")
+        if self.credit == "token" and self.reward != "per_position":
+            raise ValueError(f"rollout.credit='token' needs rollout.reward='per_position', got {self.reward!r}")
+
+    @property
+    def batch_size(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    steps: int = config_field(60, "Optimizer steps (one per rollout batch: the fully-async regime).")
+    seed: int = config_field(1234, "Seeds the model init, prompts and sampling (keyed by global sample index).")
+    run_dir: str = config_field("runs/demo", "Output directory: metrics.jsonl, metrics.png, checkpoints/.")
+    name: str = config_field("", "Label in logs and plots; empty = '<loss>:<anchor>'.")
+    log_interval: int = config_field(5, "Steps between progress lines.")
+    checkpoint_interval: int = config_field(0, "Steps between checkpoints; 0 = never.")
+    checkpoint_keep: int = config_field(2, "Complete checkpoints kept; older ones are deleted.")
+    resume: bool = config_field(False, "Continue from the last complete checkpoint in run_dir/checkpoints.")
+    tensorboard: bool = config_field(True, "Write TensorBoard events to run_dir/tb when tensorboard is installed.")
+
+    def __post_init__(self) -> None:
+        for name, low in (("steps", 1), ("log_interval", 1), ("checkpoint_interval", 0), ("checkpoint_keep", 1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"run.{name} must be >= {low}, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExperimentConfig:
+    model: ModelConfig = config_field(factory=ModelConfig, doc="A GPT from megatron-core's layer specs.")
+    parallelism: ParallelConfig = config_field(factory=ParallelConfig, doc="dp = world_size / (tp * pp).")
+    loss: LossConfig = config_field(factory=LossConfig, doc="The policy loss (megatron_cispo.config.LossConfig).")
+    optimizer: OptimizerConfig = config_field(factory=OptimizerConfig, doc="Optimizer and LR schedule.")
+    rollout: RolloutConfig = config_field(factory=RolloutConfig, doc="Task, sampler and async settings.")
+    run: RunConfig = config_field(factory=RunConfig, doc="Steps, seed, outputs, checkpoints.")
+
+    def __post_init__(self) -> None:
+        from .demo.task import Task  # light: plain torch
+
+        task = Task(self.rollout)
+        if self.model.vocab_size < task.vocab_size:
+            raise ValueError(f"model.vocab_size={self.model.vocab_size} is too small for task "
+                             f"{self.rollout.task!r} with base {self.rollout.base}: needs >= {task.vocab_size}")
+        if self.model.seq_length < task.seq_len:
+            raise ValueError(f"model.seq_length={self.model.seq_length} is too short for task "
+                             f"{self.rollout.task!r} with {self.rollout.digits} digits: needs >= {task.seq_len}")
+        p = self.parallelism
+        self.model.check_layout(tp=p.tp, pp=p.pp, vp=p.vp)
+
+    @property
+    def label(self) -> str:
+        return self.run.name or f"{self.loss.policy_loss}:{self.loss.cispo.anchor}"
+
+
+# ---------------------------------------------------------------- loading
+
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def _deep_merge(base: dict, top: Mapping) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def read_tree(path: str | os.PathLike, _seen: tuple[Path, ...] = ()) -> dict:
+    """The YAML mapping at `path` with its `defaults:` files (relative to it) merged underneath."""
+    path = Path(path)
+    if path.resolve() in _seen:
+        chain = " -> ".join(str(p) for p in (*_seen, path.resolve()))
+        raise ConfigError(f"defaults: inheritance cycle: {chain}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {e.strerror}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    data = {} if data is None else data
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    parents = data.get("defaults") or []
+    parents = [parents] if isinstance(parents, str) else parents
+    if not isinstance(parents, list) or not all(isinstance(p, str) for p in parents):
+        raise ConfigError(f"{path}: defaults: expected str | list[str], got {parents!r}")
+    merged: dict = {}
+    for parent in parents:
+        merged = _deep_merge(merged, read_tree(path.parent / parent, (*_seen, path.resolve())))
+    return _deep_merge(merged, {k: v for k, v in data.items() if k != "defaults"})
+
+
+def interpolate_env(value: Any, path: str = "", env: Mapping[str, str] = os.environ) -> Any:
+    """Replace ${VAR} / ${VAR:-fallback} in strings; a value that is one reference is parsed as YAML."""
+    if isinstance(value, Mapping):
+        return {k: interpolate_env(v, f"{path}.{k}" if path else str(k), env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate_env(v, f"{path}.{i}", env) for i, v in enumerate(value)]
+    if not isinstance(value, str) or "${" not in value:
+        return value
+
+    def sub(m: re.Match) -> str:
+        if m.group(1) in env:
+            return env[m.group(1)]
+        if m.group(2) is not None:
+            return m.group(2)
+        raise ConfigError(f"{path}: environment variable ${{{m.group(1)}}} is not set "
+                          f"(write ${{{m.group(1)}:-fallback}} to give a default)")
+
+    whole = _ENV_REF.fullmatch(value)
+    return parse_override_value(sub(whole)) if whole else _ENV_REF.sub(sub, value)
+
+
+def load_experiment(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (),
+                    env: Mapping[str, str] = os.environ) -> ExperimentConfig:
+    """File (with defaults) -> overrides -> ${ENV} -> validated ExperimentConfig; raises ConfigError."""
+    data = apply_overrides(read_tree(path), list(overrides), schema=ExperimentConfig)
+    return from_dict(ExperimentConfig, interpolate_env(data, env=env))
+
+
+def resolve_world(cfg: ExperimentConfig, world_size: int) -> int:
+    """Data-parallel size for `world_size` ranks; ConfigError when the batch or layout does not fit."""
+    p, r = cfg.parallelism, cfg.rollout
+    if world_size % (p.tp * p.pp):
+        raise ConfigError(f"parallelism: world size {world_size} is not divisible by tp*pp = {p.tp}*{p.pp}; "
+                          f"launch a multiple of {p.tp * p.pp} processes or change parallelism.tp/pp")
+    dp = world_size // (p.tp * p.pp)
+    if r.batch_size % (dp * p.micro_batch_size):
+        raise ConfigError(
+            f"rollout: prompts_per_step*group_size = {r.prompts_per_step}*{r.group_size} = {r.batch_size} must "
+            f"be divisible by dp*parallelism.micro_batch_size = {dp}*{p.micro_batch_size} (world size {world_size})")
+    return dp
+
+
+def dump_yaml(cfg: ExperimentConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+# ---------------------------------------------------------------- docs
+
+_DOC_HEAD = """# Configuration
+
+<!-- Generated by `python -m megatron_cispo.experiment --doc > docs/configuration.md`; do not edit.
+     tests/unit/test_experiment_docs.py fails when this file and the dataclasses disagree. -->
+
+An experiment is one YAML file read by `python -m megatron_cispo.train CONFIG [overrides]`
+(under torchrun: `torchrun --nproc-per-node N -m megatron_cispo.train CONFIG [overrides]`).
+Its schema is `megatron_cispo.experiment.ExperimentConfig`; every key below is optional.
+
+- **Inheritance.** `defaults: base.yaml` (or a list) loads those files first, relative to this
+  one; this file's keys are merged on top, mapping by mapping.
+- **Overrides.** Command-line `a.b.c=value` arguments are applied after that, values parsed as
+  YAML: `loss.cispo.anchor=rollout run.steps=10 optimizer.lr=3e-3`.
+- **Environment.** `${VAR}` and `${VAR:-fallback}` in any string are replaced; a value that is
+  exactly one reference is then parsed as YAML, so `steps: ${STEPS:-60}` stays an int.
+- **Errors.** Unknown keys, wrong types and invalid values stop the job before anything is
+  launched, printed once (by rank 0) with the full key path and the expected type, exit code 2:
+  `model.hidden_sise: unknown key; known keys: vocab_size, ...`.
+- **Layout.** dp = world_size / (tp * pp). Check a file without launching anything:
+  `python -m megatron_cispo.train --check CONFIG [overrides] [--world-size N]`.
+"""
+
+
+def _fmt_default(v: Any) -> str:
+    if v is MISSING:
+        return "required"
+    return "`null`" if v is None else f"`{yaml.safe_dump(v, default_flow_style=True).strip().removesuffix('...').strip()}`"
+
+
+def config_doc() -> str:
+    """Markdown reference of every key, generated from the dataclasses."""
+    out, hints = [_DOC_HEAD], typing.get_type_hints(ExperimentConfig)
+    for f in dataclasses.fields(ExperimentConfig):
+        out += [f"## `{f.name}`", "", f.metadata.get("doc", ""), "",
+                "| key | type | default | meaning |", "|---|---|---|---|"]
+        for key, tp, default, doc in describe_fields(hints[f.name], f.name):
+            out.append(f"| `{key}` | `{tp.replace('|', '&#124;')}` | {_fmt_default(default).replace('|', '&#124;')} "
+                       f"| {doc.replace('|', '&#124;')} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args != ["--doc"]:
+        print("usage: python -m megatron_cispo.experiment --doc > docs/configuration.md", file=sys.stderr)
+        return 2
+    sys.stdout.write(config_doc())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

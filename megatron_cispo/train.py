@@ -1,0 +1,67 @@
+"""Run an RL experiment described by a YAML file (see docs/configuration.md).
+
+    python -m megatron_cispo.train yaml_configs/demo_cpu.yaml run.steps=10        # one process
+    torchrun --nproc-per-node 4 -m megatron_cispo.train yaml_configs/demo_cpu.yaml loss.cispo.anchor=rollout
+    python -m megatron_cispo.train --check yaml_configs/gpu_template.yaml --world-size 16   # validate only
+
+A bad config is reported once (by rank 0) with its key path, and every rank exits with code 2
+before any process group exists, so a typo never becomes a traceback from each rank.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .config import ConfigError
+from .experiment import dump_yaml, load_experiment, resolve_world
+from .integrations.plugins import PluginImportError, load_plugins
+from .losses import get_policy_loss
+
+EXIT_CONFIG = 2
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="megatron_cispo.train", description="Run an RL experiment from YAML.")
+    ap.add_argument("config", help="experiment YAML file")
+    ap.add_argument("overrides", nargs="*", help="dotted overrides, e.g. loss.cispo.anchor=rollout run.steps=10")
+    ap.add_argument("--check", action="store_true", help="validate the config (and layout), print it, run nothing")
+    ap.add_argument("--world-size", type=int, default=None,
+                    help="with --check: the number of processes to validate the layout for")
+    return ap.parse_intermixed_args(argv)  # overrides may follow --check/--world-size
+
+
+def _report(config: str, err: Exception) -> int:
+    if int(os.environ.get("RANK", "0")) == 0:  # every rank hits the same error; one says so
+        print(f"config error in {config}: {err}", file=sys.stderr, flush=True)
+    return EXIT_CONFIG
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        load_plugins()  # MEGATRON_CISPO_PLUGINS may register the loss the config names
+        cfg = load_experiment(args.config, args.overrides)
+        dp = resolve_world(cfg, world)
+        try:
+            get_policy_loss(cfg.loss.policy_loss)  # an unknown name fails here, once, not mid-step
+        except ValueError as e:
+            raise ConfigError(f"loss.policy_loss: {e}") from None
+    except (ConfigError, PluginImportError) as e:
+        return _report(args.config, e)
+    if args.check:
+        print(dump_yaml(cfg), end="")
+        print(f"# ok: {world} processes = tp {cfg.parallelism.tp} x pp {cfg.parallelism.pp} x dp {dp}")
+        return 0
+    from .demo.loop import run
+
+    try:
+        run(cfg)
+    except ConfigError as e:  # raised by every rank alike (runtime layout, checkpoint layout)
+        return _report(args.config, e)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""A bad config under a 4-rank launch is reported once and exits non-zero, with no traceback per rank."""
+import subprocess
+
+from e2e_helpers import DEMO, ROOT, env, torchrun
+
+MESSAGE = "model.hidden_sise: unknown key"
+
+
+def test_bad_key_under_torchrun_is_printed_once_and_no_rank_raises():
+    proc = torchrun(4, [DEMO, "model.hidden_sise=64"], check=False, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert out.count(MESSAGE) == 1, out[-3000:]
+    # torchrun's agent adds its own one-block failure summary; no worker printed a traceback.
+    assert "ConfigError" not in out and "megatron_cispo/" not in out.replace(DEMO, "")
+    assert "exitcode  : 2" in out
+
+
+def test_bad_key_through_launch_script_is_one_line_and_exit_code_2():
+    proc = subprocess.run(["bash", "launch/single_node.sh", DEMO, "model.hidden_sise=64"], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert (proc.stdout + proc.stderr).count(MESSAGE) == 1
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def test_launch_scripts_are_valid_bash():
+    for script in ("common.sh", "single_node.sh", "multi_node.sh", "demo.sh", "slurm.sbatch"):
+        proc = subprocess.run(["bash", "-n", str(ROOT / "launch" / script)], capture_output=True, text=True)
+        assert proc.returncode == 0, f"{script}: {proc.stderr}"
+
+
+def _check(*args, extra_env=None):
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "megatron_cispo.train", "--check", DEMO, "--world-size", "4",
+                           *args], cwd=ROOT, env={**env(), **(extra_env or {})}, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_unknown_policy_loss_is_a_config_error_listing_known_losses():
+    proc = _check("loss.policy_loss=cispoo")
+    assert proc.returncode == 2
+    assert "loss.policy_loss: LossConfig.policy_loss='cispoo' is not a registered policy loss; known: cispo" \
+        in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_broken_plugin_module_is_one_clear_line():
+    proc = _check(extra_env={"MEGATRON_CISPO_PLUGINS": "no_such_plugin_mod"})
+    assert proc.returncode == 2
+    assert "MEGATRON_CISPO_PLUGINS: importing plugin module 'no_such_plugin_mod' failed" in proc.stderr
+    assert "Traceback" not in proc.stderr

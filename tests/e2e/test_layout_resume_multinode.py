@@ -1,0 +1,68 @@
+"""Layout independence, resume equivalence and a two-"node" loopback launch, on one tiny config.
+
+One uninterrupted (tp, pp, dp) = (2, 1, 2) run of 4 steps, checkpointing every 2, is the reference.
+"""
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from e2e_helpers import DEMO, ROOT, TINY, assert_metrics_close, env, metrics, torchrun
+from megatron_cispo.testing import free_port
+
+STEPS = 4
+
+
+def _args(run_dir, *extra):
+    return [DEMO, *TINY, f"run.steps={STEPS}", "run.checkpoint_interval=2", f"run.run_dir={run_dir}", *extra]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("ref") / "tp2_dp2"
+    torchrun(4, _args(run_dir, "parallelism.tp=2", "parallelism.pp=1"))
+    return run_dir
+
+
+@pytest.mark.parametrize("nproc, tp, pp", [(1, 1, 1), (4, 2, 2)], ids=["tp1_pp1_dp1", "tp2_pp2_dp1"])
+def test_layouts_give_the_same_first_three_steps(reference, tmp_path, nproc, tp, pp):
+    torchrun(nproc, _args(tmp_path / "run", f"parallelism.tp={tp}", f"parallelism.pp={pp}", "run.steps=3",
+                          "run.checkpoint_interval=0"))
+    assert_metrics_close(metrics(tmp_path / "run"), metrics(reference), steps=3, atol=1e-4)
+
+
+def test_resumed_run_matches_uninterrupted_run_step_for_step(reference, tmp_path):
+    # The state of a job killed right after its step-2 checkpoint: that checkpoint and its metrics.
+    run_dir = tmp_path / "resumed"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(reference / "checkpoints" / "step_000002", run_dir / "checkpoints" / "step_000002")
+    shutil.copy(reference / "metrics.jsonl", run_dir / "metrics.jsonl")  # steps 3-4 are cut on resume
+    proc = torchrun(4, _args(run_dir, "run.resume=true"))
+    assert "resumed from" in proc.stdout
+    resumed, straight = metrics(run_dir), metrics(reference)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert_metrics_close(resumed, straight, steps=STEPS, atol=0.0)
+
+
+def test_resume_skips_an_incomplete_checkpoint(reference, tmp_path):
+    run_dir = tmp_path / "partial"
+    shutil.copytree(reference / "checkpoints", run_dir / "checkpoints")
+    (run_dir / "checkpoints" / "step_000004" / "COMPLETE").unlink()  # as if killed mid-save
+    from megatron_cispo.demo.checkpoint import last_complete
+
+    assert last_complete(run_dir).name == "step_000002"
+
+
+def test_two_nodes_on_loopback_match_one_node(reference, tmp_path):
+    # launch/multi_node.sh twice: torchrun --nnodes 2 --node-rank 0|1 --master-addr 127.0.0.1, 2 ranks each.
+    args = _args(tmp_path / "two_nodes", "parallelism.tp=2", "run.steps=1", "run.checkpoint_interval=0")
+    node_env = {**env(), "NNODES": "2", "GPUS_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(free_port()), "NGPU": "0", "PY": sys.executable}
+    procs = [subprocess.Popen(["bash", "launch/multi_node.sh", *args], cwd=ROOT, env={**node_env, "NODE_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-4000:]
+    assert "world 4 = tp 2 x pp 1 x dp 2" in outs[0][0]
+    assert_metrics_close(metrics(tmp_path / "two_nodes"), metrics(reference), steps=1, atol=1e-6)

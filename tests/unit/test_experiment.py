@@ -1,0 +1,155 @@
+"""The YAML experiment schema and loader: inheritance, overrides, ${ENV}, and every error path."""
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_cispo.config import ConfigError
+from megatron_cispo.experiment import ExperimentConfig, OptimizerConfig, interpolate_env, load_experiment, \
+    resolve_world
+from megatron_cispo.train import EXIT_CONFIG, main
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = str(ROOT / "yaml_configs" / "demo_cpu.yaml")
+CONFIGS = sorted((ROOT / "yaml_configs").glob("*.yaml"))
+
+
+def _write(tmp_path, name, data):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data)
+    return path
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = load_experiment(path, env={})
+    assert isinstance(cfg, ExperimentConfig)
+
+
+def test_shipped_configs_cover_demo_gpu_and_each_anchor():
+    names = {p.name for p in CONFIGS}
+    assert {"demo_cpu.yaml", "gpu_template.yaml", "cispo_rollout.yaml", "cispo_old.yaml"} <= names
+    assert load_experiment(ROOT / "yaml_configs/cispo_old.yaml", env={}).loss.cispo.anchor == "old"
+    assert load_experiment(ROOT / "yaml_configs/cispo_rollout.yaml", env={}).loss.cispo.anchor == "rollout"
+
+
+def test_gpu_template_is_te_bf16_with_model_parallelism():
+    cfg = load_experiment(ROOT / "yaml_configs/gpu_template.yaml", env={})
+    assert (cfg.model.transformer_impl, cfg.model.dtype) == ("te", "bf16")
+    assert cfg.parallelism.tp * cfg.parallelism.pp > 1
+    assert resolve_world(cfg, 16) == 4
+
+
+def test_defaults_inherit_and_merge_mapping_by_mapping(tmp_path):
+    _write(tmp_path, "base.yaml", {"model": {"hidden_size": 48, "num_layers": 4}, "run": {"steps": 7}})
+    _write(tmp_path, "mid.yaml", {"defaults": "base.yaml", "model": {"num_layers": 2}})
+    top = _write(tmp_path, "top.yaml", {"defaults": ["mid.yaml"], "run": {"seed": 3}})
+    cfg = load_experiment(top, env={})
+    assert (cfg.model.hidden_size, cfg.model.num_layers, cfg.run.steps, cfg.run.seed) == (48, 2, 7, 3)
+
+
+def test_defaults_cycle_is_reported(tmp_path):
+    _write(tmp_path, "a.yaml", {"defaults": "b.yaml"})
+    _write(tmp_path, "b.yaml", {"defaults": "a.yaml"})
+    with pytest.raises(ConfigError, match="inheritance cycle"):
+        load_experiment(tmp_path / "a.yaml", env={})
+
+
+def test_dotted_overrides_apply_last_and_parse_as_yaml():
+    cfg = load_experiment(ROOT / "yaml_configs/demo_cpu.yaml",
+                          ["loss.cispo.anchor=old", "optimizer.lr=1e-3", "run.steps=5", "parallelism.vp=null"], env={})
+    assert (cfg.loss.cispo.anchor, cfg.optimizer.lr, cfg.run.steps, cfg.parallelism.vp) == ("old", 1e-3, 5, None)
+
+
+def test_env_interpolation_with_fallback_and_typed_values(tmp_path):
+    path = _write(tmp_path, "e.yaml", "run:\n  steps: ${STEPS}\n  run_dir: out/${NAME:-x}/r\n  seed: ${SEED:-9}\n")
+    cfg = load_experiment(path, env={"STEPS": "12", "NAME": "abc"})
+    assert (cfg.run.steps, cfg.run.run_dir, cfg.run.seed) == (12, "out/abc/r", 9)
+
+
+def test_env_interpolation_applies_to_overrides_too():
+    cfg = load_experiment(ROOT / "yaml_configs/demo_cpu.yaml", ["run.run_dir=${OUT}/a"], env={"OUT": "/tmp/q"})
+    assert cfg.run.run_dir == "/tmp/q/a"
+
+
+def test_missing_env_var_names_key_and_variable():
+    with pytest.raises(ConfigError, match=r"run\.run_dir: environment variable \$\{NOPE\} is not set"):
+        interpolate_env({"run": {"run_dir": "${NOPE}"}}, env={})
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.hidden_sise=3", r"model\.hidden_sise: unknown key; known keys: vocab_size"),
+    ("loss.cispo.anchr=old", r"loss\.cispo\.anchr: unknown key"),
+    ("run.steps=abc", r"run\.steps: expected int, got str 'abc'"),
+    ("loss.cispo.anchor=new", r"loss\.cispo\.anchor: expected 'old' \| 'rollout', got str 'new'"),
+    ("rollout.precision=fp16", r"rollout\.precision: expected 'fp32' \| 'bf16'"),
+    ("optimizer.lr=[1]", r"optimizer\.lr: expected float, got list"),
+    ("run.resume=3", r"run\.resume: expected bool, got int 3"),
+    ("rollout.group_size=1", r"rollout\.group_size must be >= 2, got 1"),
+    ("model.vocab_size=10", r"model\.vocab_size=10 is too small for task 'reverse'"),
+    ("model.seq_length=4", r"model\.seq_length=4 is too short"),
+    ("parallelism.tp=3", r"model\.vocab_size=16 is not divisible by tp=3"),
+    ("loss.tis.level=token", r"cispo\.anchor='rollout' cannot be combined with tis\.level='token'"),
+])
+def test_bad_values_fail_with_full_key_path_and_expected_type(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_experiment(ROOT / "yaml_configs/demo_cpu.yaml", [override], env={})
+
+
+def test_unknown_key_in_file_names_its_path(tmp_path):
+    path = _write(tmp_path, "bad.yaml", {"rollout": {"staleness": 1, "stalenes": 2}})
+    with pytest.raises(ConfigError, match=r"^rollout\.stalenes: unknown key"):
+        load_experiment(path, env={})
+
+
+def test_unreadable_and_non_mapping_files_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_experiment(tmp_path / "missing.yaml", env={})
+    with pytest.raises(ConfigError, match="expected a mapping at the top level"):
+        load_experiment(_write(tmp_path, "list.yaml", "- 1\n"), env={})
+
+
+@pytest.mark.parametrize("world, message", [
+    (3, "world size 3 is not divisible by tp\\*pp = 2\\*1"),
+    (12, "must be divisible by dp\\*parallelism.micro_batch_size = 6\\*16"),
+])
+def test_world_size_must_fit_layout_and_batch(world, message):
+    cfg = load_experiment(ROOT / "yaml_configs/demo_cpu.yaml", env={})
+    with pytest.raises(ConfigError, match=message):
+        resolve_world(cfg, world)
+
+
+def test_lr_schedules():
+    const = OptimizerConfig(lr=1.0, warmup_steps=2)
+    assert [const.lr_at(s, 10) for s in (0, 1, 2, 9)] == [0.5, 1.0, 1.0, 1.0]
+    cos = OptimizerConfig(lr=1.0, min_lr=0.0, schedule="cosine")
+    assert cos.lr_at(0, 10) == 1.0 and cos.lr_at(5, 10) == pytest.approx(0.5)
+    lin = OptimizerConfig(lr=1.0, schedule="linear")
+    assert lin.lr_at(5, 10) == pytest.approx(0.5)
+
+
+def test_cli_reports_config_error_once_with_exit_code_2(capsys):
+    assert main([DEMO, "model.foo=1"]) == EXIT_CONFIG
+    err = capsys.readouterr().err
+    assert err.count("model.foo: unknown key") == 1 and "Traceback" not in err
+
+
+def test_cli_error_is_silent_on_nonzero_ranks(capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    assert main([DEMO, "model.foo=1"]) == EXIT_CONFIG
+    assert capsys.readouterr().err == ""
+
+
+def test_cli_check_validates_layout_without_running(capsys):
+    assert main(["--check", "--world-size", "4", DEMO]) == 0
+    assert "# ok: 4 processes = tp 2 x pp 1 x dp 2" in capsys.readouterr().out
+    assert main(["--check", "--world-size", "3", DEMO]) == EXIT_CONFIG
+
+
+def test_cli_reports_a_layout_the_device_cannot_run_as_a_config_error(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("bf16 training is supported on CUDA")
+    assert main([DEMO, "model.dtype=bf16", "parallelism.tp=1"]) == EXIT_CONFIG
+    assert "model.dtype: 'bf16' needs CUDA" in capsys.readouterr().err
