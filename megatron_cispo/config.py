@@ -113,6 +113,11 @@ class LossConfig:
     kl: KLConfig = config_field(factory=KLConfig, doc="KL penalty against the reference policy.")
 
     def __post_init__(self) -> None:
+        for name, tp in typing.get_type_hints(LossConfig).items():
+            if dataclasses.is_dataclass(tp) and not isinstance(getattr(self, name), tp):
+                raise ValueError(f"LossConfig.{name} must be a {tp.__name__}, got "
+                                 f"{type(getattr(self, name)).__name__}; write {tp.__name__}(...) or "
+                                 f"build the whole config with from_dict(LossConfig, {{...}})")
         _require(bool(self.policy_loss), self, "policy_loss", "a registered loss name")
         _require(self.loss_agg in typing.get_args(LossAgg), self, "loss_agg", f"one of {typing.get_args(LossAgg)}")
         _require(self.max_len is None or self.max_len > 0, self, "max_len", "None or > 0")

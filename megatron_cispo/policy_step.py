@@ -18,7 +18,8 @@ from torch import Tensor
 
 from .config import LossConfig
 from .logprobs import token_logprobs
-from .losses import compute_policy_loss, required_inputs
+from .losses import check_loss_config, compute_policy_loss, required_inputs
+from .losses.registry import missing_input_message
 from .pipeline import broadcast_object_from_last_stage, broadcast_tensor_from_last_stage, is_last_stage
 from .reduce import make_report, reduce_reports
 
@@ -91,6 +92,8 @@ class StepConfig:
             raise ValueError(f"minibatch_size must be >= 1 or None, got {self.minibatch_size}")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.old_logprob_pass not in ("auto", "always"):
+            raise ValueError(f"old_logprob_pass must be 'auto' or 'always', got {self.old_logprob_pass!r}")
 
 
 def check_megatron_config(chunks) -> None:
@@ -187,13 +190,14 @@ def compute_logprobs(chunks, batch: Rollouts, *, micro_batch_size: int, temperat
 
     forward_step = _forward_step_for(loss_func, calls)
     n, s = batch.tokens.shape[0], batch.tokens.shape[1] - 1
+    modes = [c.training for c in chunks]
     for c in chunks:
         c.eval()
     try:
         reports = _run_schedule(chunks, forward_step, _split(n, micro_batch_size, batch), forward_only=True)
     finally:
-        for c in chunks:
-            c.train()
+        for c, mode in zip(chunks, modes):
+            c.train(mode)
     local = torch.cat([r["logprobs"] for r in reports]) if is_last_stage() else None
     return broadcast_tensor_from_last_stage(local, (n, s), device=batch.tokens.device)
 
@@ -204,12 +208,17 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
 
     Returns global metrics (identical on every rank): the loss metrics reduced exactly over
     microbatches and DP ("policy/loss", "<loss>/ratio_mean", ...), "step/grad_norm" (mean
-    over optimizer steps), "step/optimizer_steps", "step/old_logprob_pass" (1.0 if an extra
-    forward pass computed pi_old) and "step/forward_calls" (model forwards on this rank).
+    over optimizer steps that computed one), "step/optimizer_steps" (taken), "step/skipped_steps"
+    (overflow), "step/old_logprob_pass" (1.0 if an extra forward pass computed pi_old) and
+    "step/forward_calls" (model forwards on this rank).
     """
     from megatron.core import parallel_state as mpu
 
     check_megatron_config(chunks)
+    check_loss_config(loss_cfg)
+    if mpu.get_context_parallel_world_size() > 1:
+        raise ValueError("policy_step does not split sequences over context parallelism yet; "
+                         f"got cp={mpu.get_context_parallel_world_size()}, use cp=1")
     dp = mpu.get_data_parallel_world_size()
     n = batch.tokens.shape[0]
     mini_local = n if step_cfg.minibatch_size is None else step_cfg.minibatch_size // dp
@@ -222,13 +231,19 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
     steps = step_cfg.epochs * (n // mini_local)
     calls = [] if calls is None else calls
     plan = plan_old_logprobs(loss_cfg, step_cfg, optimizer_steps=steps, have_old=batch.old_logprobs is not None)
+    # Checked on every rank before the schedule starts: raised inside the last stage's loss,
+    # a missing input would leave the other stages waiting in p2p until the timeout.
+    for name in sorted(required_inputs(loss_cfg) - {"entropy"}):
+        produced = name == "old_logprobs" and plan in ("pass", "from_training_forward")
+        if getattr(batch, name) is None and not produced:
+            raise ValueError(f"rollouts.{name} is missing: {missing_input_message(loss_cfg, name)}")
     if plan == "pass":
         old = compute_logprobs(chunks, batch, micro_batch_size=step_cfg.micro_batch_size,
                                temperature=step_cfg.temperature, vocab_size=vocab_size, calls=calls)
         batch = Rollouts(**{**batch.select(slice(None)), "old_logprobs": old})
     forward_step = make_forward_step(loss_cfg, temperature=step_cfg.temperature, vocab_size=vocab_size,
                                      old_from_current=plan == "from_training_forward", calls=calls)
-    reports, grad_norms = [], []
+    reports, grad_norms, skipped = [], [], 0
     for _ in range(step_cfg.epochs):
         for start in range(0, n, mini_local):
             mini = Rollouts(**batch.select(slice(start, start + mini_local)))
@@ -237,12 +252,15 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
             optimizer.zero_grad()
             reports += _run_schedule(chunks, forward_step, _split(mini_local, step_cfg.micro_batch_size, mini),
                                      forward_only=False)
-            _, grad_norm, _ = optimizer.step()
-            grad_norms.append(float(grad_norm) if grad_norm is not None else float("nan"))
+            ok, grad_norm, _ = optimizer.step()
+            skipped += not ok  # a mixed-precision optimizer skips a step on overflow
+            if grad_norm is not None:  # None when clip_grad=0 on the fp32 optimizer
+                grad_norms.append(float(grad_norm))
     metrics = None
     if is_last_stage():
         metrics = reduce_reports(reports, group=mpu.get_data_parallel_group(with_context_parallel=True))
     metrics = broadcast_object_from_last_stage(metrics)
-    metrics.update({"step/grad_norm": sum(grad_norms) / len(grad_norms), "step/optimizer_steps": float(steps),
+    metrics.update({"step/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
+                    "step/optimizer_steps": float(steps - skipped), "step/skipped_steps": float(skipped),
                     "step/old_logprob_pass": float(plan == "pass"), "step/forward_calls": float(len(calls))})
     return metrics

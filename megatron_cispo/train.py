@@ -16,7 +16,7 @@ import sys
 from .config import ConfigError
 from .experiment import dump_yaml, load_experiment, resolve_world
 from .integrations.plugins import PluginImportError, load_plugins
-from .losses import get_policy_loss
+from .losses import check_loss_config, required_inputs
 
 EXIT_CONFIG = 2
 
@@ -44,10 +44,13 @@ def main(argv: list[str] | None = None) -> int:
         load_plugins()  # MEGATRON_CISPO_PLUGINS may register the loss the config names
         cfg = load_experiment(args.config, args.overrides)
         dp = resolve_world(cfg, world)
-        try:
-            get_policy_loss(cfg.loss.policy_loss)  # an unknown name fails here, once, not mid-step
+        try:  # registry checks (unknown loss, rollout anchor + TIS) fail here, once, not mid-step
+            check_loss_config(cfg.loss)
         except ValueError as e:
-            raise ConfigError(f"loss.policy_loss: {e}") from None
+            raise ConfigError(f"loss: {e}") from None
+        if "ref_logprobs" in required_inputs(cfg.loss):
+            raise ConfigError(f"loss.kl.coef: the demo trains without a reference policy, so kl.coef must "
+                              f"be 0, got {cfg.loss.kl.coef}")
     except (ConfigError, PluginImportError) as e:
         return _report(args.config, e)
     if args.check:

@@ -12,12 +12,13 @@ built-in loss), "policy/..." (loss, tokens, nonfinite_dropped, kl, entropy), "ti
 from . import cispo, ppo, rollout_is  # noqa: F401  (registers the built-in losses)
 from .aggregate import aggregate, finalize
 from .common import LOG_RATIO_CLAMP, LossInputs, Metrics, kl_estimate, log_ratio
-from .compute import PolicyLossOutput, compute_policy_loss
+from .compute import PolicyLossOutput, compute_policy_loss, per_token_policy_loss
 from .registry import (
     ENTRY_POINT_GROUP,
     PolicyLoss,
     PolicyLossPluginError,
     available_policy_losses,
+    check_loss_config,
     get_policy_loss,
     register_policy_loss,
     required_inputs,
@@ -25,6 +26,7 @@ from .registry import (
 
 __all__ = [
     "ENTRY_POINT_GROUP", "LOG_RATIO_CLAMP", "LossInputs", "Metrics", "PolicyLoss", "PolicyLossOutput",
-    "PolicyLossPluginError", "aggregate", "available_policy_losses", "compute_policy_loss", "finalize",
-    "get_policy_loss", "kl_estimate", "log_ratio", "register_policy_loss", "required_inputs",
+    "PolicyLossPluginError", "aggregate", "available_policy_losses", "check_loss_config", "compute_policy_loss", "finalize",
+    "get_policy_loss", "kl_estimate", "log_ratio", "per_token_policy_loss", "register_policy_loss",
+    "required_inputs",
 ]

@@ -123,3 +123,12 @@ def required_inputs(cfg: LossConfig) -> set[str]:
 
 def missing_input_message(cfg: LossConfig, name: str) -> str:
     return f"{input_reasons(cfg)[name]} needs {name} ({INPUT_DOCS[name]})"
+
+
+def check_loss_config(cfg: LossConfig) -> None:
+    """Checks that need the registry (so they also cover plugin losses): the loss exists, and
+    a loss anchored on pi_rollout is not stacked with TIS. Raises ValueError."""
+    anchor = get_policy_loss(cfg.policy_loss).anchor_for(cfg)
+    if anchor == "rollout" and cfg.tis.level is not None:
+        raise ValueError(f"policy_loss={cfg.policy_loss!r} anchors on rollout_logprobs and cannot be combined "
+                         f"with tis.level={cfg.tis.level!r}: it would double-count the off-policy correction")

@@ -140,3 +140,28 @@ def test_forward_passes_follow_the_anchor(reference):
         assert m["step/old_logprob_pass"] == ran, case
         assert m["step/forward_calls"] == forwards, case
         assert reference[case]["hooked_forwards"] == forwards, case
+
+
+def missing_rollout_worker():
+    from megatron_cispo import runtime
+    from megatron_cispo.config import LossConfig, from_dict
+    from megatron_cispo.model import ModelConfig, build_model, build_optimizer
+    from megatron_cispo.policy_step import Rollouts, StepConfig, policy_step
+
+    runtime.init_distributed(pp=2, timeout_s=120)
+    mcfg = ModelConfig(vocab_size=V, seq_length=S, hidden_size=32, num_layers=2, num_attention_heads=4)
+    chunks = build_model(mcfg, tp=1, pp=2, seed=3)
+    tokens, loss_mask, adv, _ = make_batch()
+    policy_step(chunks, build_optimizer(chunks, lr=0.1), Rollouts(tokens=tokens, loss_mask=loss_mask, advantages=adv),
+                from_dict(LossConfig, {"cispo": {"anchor": "rollout"}}), StepConfig(micro_batch_size=2))
+
+
+def test_missing_rollout_logprobs_fail_on_every_stage_before_the_schedule():
+    """Raised inside the last stage's loss, the first stage would wait in p2p until the timeout."""
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match=r"rollouts.rollout_logprobs is missing: cispo with anchor='rollout' "
+                                        r"needs rollout_logprobs"):
+        spawn(missing_rollout_worker, 2, timeout_s=100)
+    assert time.monotonic() - t0 < 60

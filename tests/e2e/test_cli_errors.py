@@ -41,8 +41,7 @@ def _check(*args, extra_env=None):
 def test_unknown_policy_loss_is_a_config_error_listing_known_losses():
     proc = _check("loss.policy_loss=cispoo")
     assert proc.returncode == 2
-    assert "loss.policy_loss: LossConfig.policy_loss='cispoo' is not a registered policy loss; known: cispo" \
-        in proc.stderr
+    assert "loss: LossConfig.policy_loss='cispoo' is not a registered policy loss; known: cispo" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
@@ -51,3 +50,9 @@ def test_broken_plugin_module_is_one_clear_line():
     assert proc.returncode == 2
     assert "MEGATRON_CISPO_PLUGINS: importing plugin module 'no_such_plugin_mod' failed" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_kl_without_a_reference_policy_is_rejected_before_launch():
+    proc = _check("loss.kl.coef=0.1")
+    assert proc.returncode == 2
+    assert "loss.kl.coef: the demo trains without a reference policy, so kl.coef must be 0, got 0.1" in proc.stderr

@@ -79,6 +79,7 @@ def test_dp_shard_keeps_each_minibatch_made_of_the_same_global_sequences():
     ({"epochs": 0}, "epochs must be >= 1, got 0"),
     ({"minibatch_size": 0}, "minibatch_size must be >= 1 or None, got 0"),
     ({"temperature": 0.0}, "temperature must be > 0, got 0.0"),
+    ({"old_logprob_pass": "never"}, "old_logprob_pass must be 'auto' or 'always', got 'never'"),
 ])
 def test_step_config_validation(kw, msg):
     with pytest.raises(ValueError, match=msg):
@@ -88,11 +89,31 @@ def test_step_config_validation(kw, msg):
 def test_reports_sum_means_and_keep_min_max_exact():
     a = {"sum": {"r": torch.tensor([3.0, 2.0])}, "min": {"r_min": torch.tensor(0.5)},
          "max": {"r_max": torch.tensor(2.0)}, "total": {"tokens": torch.tensor(2.0)}}
-    b = {"sum": {"r": torch.tensor([1.0, 2.0])}, "min": {"r_min": torch.tensor(0.25)},
+    b = {"sum": {"r": torch.tensor([1.0, 1.0])}, "min": {"r_min": torch.tensor(0.25)},
          "max": {"r_max": torch.tensor(1.5)}, "total": {"tokens": torch.tensor(2.0)}}
     merged = merge_reports([a, b])
-    assert merged["sum"]["r"].tolist() == [4.0, 4.0]
+    assert merged["sum"]["r"].tolist() == [4.0, 3.0]
     out = reduce_reports([a, b])
-    # the mean of means would be (1.5 + 0.5) / 2 = 1.0; the exact token mean is 4 / 4
-    assert out == {"r": 1.0, "r_min": 0.25, "r_max": 2.0, "tokens": 4.0}
+    # the mean of means would be (1.5 + 1.0) / 2 = 1.25; the exact token mean is 4 / 3
+    assert out == {"r": pytest.approx(4 / 3, abs=1e-12), "r_min": 0.25, "r_max": 2.0, "tokens": 4.0}
     assert a["sum"]["r"].tolist() == [3.0, 2.0]  # inputs untouched
+
+
+def test_loss_config_sections_must_be_section_dataclasses():
+    with pytest.raises(ValueError, match=r"LossConfig.cispo must be a CispoConfig, got dict"):
+        LossConfig(cispo={"anchor": "rollout"})
+
+
+def test_registry_check_rejects_a_plugin_loss_anchored_on_rollout_with_tis(monkeypatch):
+    from megatron_cispo.losses import check_loss_config, registry
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+
+    @registry.register_policy_loss("test_rollout_plugin", anchor="rollout")
+    def _plugin(cfg, x):  # pragma: no cover - only its anchor matters here
+        raise AssertionError
+
+    cfg = from_dict(LossConfig, {"policy_loss": "test_rollout_plugin", "tis": {"level": "token"}})
+    with pytest.raises(ValueError, match="anchors on rollout_logprobs and cannot be combined with tis.level"):
+        check_loss_config(cfg)
+    check_loss_config(from_dict(LossConfig, {"policy_loss": "test_rollout_plugin"}))
