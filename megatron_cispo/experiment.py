@@ -24,6 +24,7 @@ import yaml
 
 from .config import ConfigError, LossConfig, apply_overrides, config_field, describe_fields, from_dict, \
     parse_override_value, to_dict
+from .losses import get_policy_loss
 from .model import ModelConfig
 
 
@@ -148,7 +149,12 @@ class ExperimentConfig:
 
     @property
     def label(self) -> str:
-        return self.run.name or f"{self.loss.policy_loss}:{self.loss.cispo.anchor}"
+        return run_label(self.loss, self.run.name)
+
+
+def run_label(loss: LossConfig, name: str = "") -> str:
+    """`name`, else "<policy_loss>:<anchor>" with the anchor that loss really uses (ppo -> "ppo:old")."""
+    return name or f"{loss.policy_loss}:{get_policy_loss(loss.policy_loss).anchor_for(loss)}"
 
 
 # ---------------------------------------------------------------- loading

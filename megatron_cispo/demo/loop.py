@@ -89,7 +89,9 @@ def run(cfg: ExperimentConfig) -> None:
             lr = o.lr_at(step, cfg.run.steps)
             _set_lr(optimizer, lr)
             batch = sampler.rollouts(step)
-            local = Rollouts(**{k: v.to(env.device) for k, v in batch.shard(dp_rank, dp).items()})
+            # One minibatch per step, so this is the contiguous split of the batch over DP.
+            shard = Rollouts(**batch.rollout_fields()).dp_shard(dp_rank=dp_rank, dp=dp, minibatches=1)
+            local = Rollouts(**{k: v.to(env.device) for k, v in shard.select(slice(None)).items()})
             metrics = policy_step(chunks, optimizer, local, cfg.loss, step_cfg, vocab_size=cfg.model.vocab_size)
             sampler.sync(step + 1, gather_full_state(chunks))  # the explicit weight-sync step
             if writer is not None:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import yaml
 
+from ..config import LossConfig, from_dict
+from ..experiment import run_label
 from .metrics import read_metrics
 
 MIN_GAIN = 2.0
@@ -27,14 +29,17 @@ def summarize(run_dir: str | Path) -> dict:
     """Headline numbers of one run (first/last 10% of steps, at least one step each)."""
     run_dir = Path(run_dir)
     recs = read_metrics(run_dir)
-    cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else {}
+    saved = run_dir / "config.yaml"
+    cfg = yaml.safe_load(saved.read_text()) if saved.exists() else {}
     loss = cfg.get("loss", {})
+    name = cfg.get("run", {}).get("name") or ("" if saved.exists() else run_dir.name)
+    label = run_label(from_dict(LossConfig, loss, "loss"), name)
     cispo = loss.get("cispo") if loss.get("policy_loss", "cispo") == "cispo" else None
     anchor = cispo.get("anchor", "?") if cispo else "-"
     k = max(1, len(recs) // 10)
     first, last = _mean([r["reward_mean"] for r in recs[:k]]), _mean([r["reward_mean"] for r in recs[-k:]])
     return {
-        "run": str(run_dir), "label": cfg.get("run", {}).get("name") or f"{loss.get('policy_loss', 'cispo')}:{anchor}",
+        "run": str(run_dir), "label": label,
         "anchor": anchor, "steps": len(recs), "reward_first": first, "reward_last": last,
         "gain": last / first if first > 0 else float("inf"),
         "clip_frac_mean": _mean([r.get("clip_frac", 0.0) for r in recs]),

@@ -33,12 +33,10 @@ class Batch:
     correct: Tensor           # [n, answer_len] bool
     version: int              # policy version that sampled it
 
-    def shard(self, rank: int, size: int) -> dict[str, Tensor]:
-        """Contiguous DP shard (rank of size) as Rollouts fields."""
-        n = self.tokens.shape[0] // size
-        sl = slice(rank * n, (rank + 1) * n)
-        return {"tokens": self.tokens[sl], "loss_mask": self.loss_mask[sl],
-                "advantages": self.advantages[sl], "rollout_logprobs": self.rollout_logprobs[sl]}
+    def rollout_fields(self) -> dict[str, Tensor]:
+        """The global batch as policy_step.Rollouts fields; Rollouts.dp_shard splits it over DP."""
+        return {"tokens": self.tokens, "loss_mask": self.loss_mask, "advantages": self.advantages,
+                "rollout_logprobs": self.rollout_logprobs}
 
 
 class Sampler:

@@ -1,8 +1,9 @@
 """compute_policy_loss: the one entry from the policy step into the loss math.
 
-Validates inputs, drops tokens whose required logprobs are non-finite (counted), runs the
-registered loss, applies TIS, KL and the entropy bonus, and aggregates into (loss_sum,
-denominator) plus reducible metrics. Pure tensor code; all reductions are the caller's.
+per_token_policy_loss validates inputs, drops tokens whose required logprobs are non-finite
+(counted), runs the registered loss and applies TIS, KL and the entropy bonus; the Megatron-LM
+drop-in uses it as is. compute_policy_loss then aggregates into (loss_sum, denominator) plus
+reducible metrics. Pure tensor code; all reductions are the caller's.
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def _zero_invalid(t: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, t.float(), 0.0)
 
 
-def compute_policy_loss(
+def per_token_policy_loss(
     cfg: LossConfig,
     *,
     logprobs: Tensor,
@@ -66,12 +67,14 @@ def compute_policy_loss(
     rollout_logprobs: Optional[Tensor] = None,
     ref_logprobs: Optional[Tensor] = None,
     entropy: Optional[Tensor] = None,
-) -> PolicyLossOutput:
-    """Policy loss for one microbatch.
+) -> tuple[Tensor, Tensor, Metrics]:
+    """Per-token policy loss before aggregation: the registered loss, TIS, KL and entropy bonus.
 
-    logprobs: [b, s] fp32|bf16, current policy, with grad. advantages: [b] or [b, s].
-    loss_mask: [b, s] bool|float, nonzero = trained token. old/rollout/ref_logprobs: [b, s];
-    entropy: [b, s]. Which optional tensors are needed is `required_inputs(cfg)`.
+    Arguments as compute_policy_loss. Returns (per_token [b, s] fp32, 0 where valid is False;
+    valid [b, s] bool; Metrics). valid = trained tokens whose required anchor/old/rollout/ref
+    logprobs are finite: a non-finite one (e.g. a sampler's -inf) drops the token, counted in
+    policy/nonfinite_dropped, with loss 0 and zero grad. A non-finite *current* logprob on a
+    trained token is not masked: it is a model bug and should surface in the loss.
     """
     spec = get_policy_loss(cfg.policy_loss)
     given = {"old_logprobs": old_logprobs, "rollout_logprobs": rollout_logprobs,
@@ -121,8 +124,30 @@ def compute_policy_loss(
         m.mean("policy/entropy", ent, valid)
         if cfg.entropy_coef != 0:
             per_token = per_token - cfg.entropy_coef * ent
+    return torch.where(valid, per_token.float(), 0.0), valid, m
 
-    loss_sum, denominator = aggregate(per_token.float(), valid, cfg.loss_agg, cfg.max_len)
+
+def compute_policy_loss(
+    cfg: LossConfig,
+    *,
+    logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    old_logprobs: Optional[Tensor] = None,
+    rollout_logprobs: Optional[Tensor] = None,
+    ref_logprobs: Optional[Tensor] = None,
+    entropy: Optional[Tensor] = None,
+) -> PolicyLossOutput:
+    """Policy loss for one microbatch: per_token_policy_loss, then aggregated by cfg.loss_agg.
+
+    logprobs: [b, s] fp32|bf16, current policy, with grad. advantages: [b] or [b, s].
+    loss_mask: [b, s] bool|float, nonzero = trained token. old/rollout/ref_logprobs: [b, s];
+    entropy: [b, s]. Which optional tensors are needed is `required_inputs(cfg)`.
+    """
+    per_token, valid, m = per_token_policy_loss(
+        cfg, logprobs=logprobs, advantages=advantages, loss_mask=loss_mask, old_logprobs=old_logprobs,
+        rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, entropy=entropy)
+    loss_sum, denominator = aggregate(per_token, valid, cfg.loss_agg, cfg.max_len)
     denominator = denominator.detach()
     m.sums["policy/loss"] = (loss_sum.detach(), denominator)
     return PolicyLossOutput(

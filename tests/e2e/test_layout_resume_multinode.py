@@ -46,12 +46,18 @@ def test_resumed_run_matches_uninterrupted_run_step_for_step(reference, tmp_path
 
 
 def test_resume_skips_an_incomplete_checkpoint(reference, tmp_path):
+    # A job killed while saving step 4: both checkpoints on disk, step 4 without its COMPLETE marker.
     run_dir = tmp_path / "partial"
     shutil.copytree(reference / "checkpoints", run_dir / "checkpoints")
-    (run_dir / "checkpoints" / "step_000004" / "COMPLETE").unlink()  # as if killed mid-save
-    from megatron_cispo.demo.checkpoint import last_complete
-
-    assert last_complete(run_dir).name == "step_000002"
+    (run_dir / "checkpoints" / "step_000004" / "COMPLETE").unlink()
+    shutil.copy(reference / "metrics.jsonl", run_dir / "metrics.jsonl")
+    proc = torchrun(4, _args(run_dir, "run.resume=true"))
+    resumed_line = next(line for line in proc.stdout.splitlines() if "resumed from" in line)
+    assert resumed_line.split("resumed from", 1)[1].strip().endswith("step_000002"), resumed_line
+    resumed = metrics(run_dir)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]  # steps 3-4 were trained again from step 2
+    assert_metrics_close(resumed, metrics(reference), steps=STEPS, atol=0.0)
+    assert (run_dir / "checkpoints" / "step_000004" / "COMPLETE").is_file()
 
 
 def test_two_nodes_on_loopback_match_one_node(reference, tmp_path):

@@ -153,3 +153,24 @@ def test_cli_reports_a_layout_the_device_cannot_run_as_a_config_error(capsys):
         pytest.skip("bf16 training is supported on CUDA")
     assert main([DEMO, "model.dtype=bf16", "parallelism.tp=1"]) == EXIT_CONFIG
     assert "model.dtype: 'bf16' needs CUDA" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overrides,label", [
+    (["loss.policy_loss=ppo"], "ppo:old"),
+    (["loss.policy_loss=ppo", "loss.cispo.anchor=rollout"], "ppo:old"),  # cispo's anchor is not ppo's
+    (["loss.policy_loss=rollout_is"], "rollout_is:rollout"),
+    (["loss.policy_loss=cispo", "loss.cispo.anchor=rollout"], "cispo:rollout"),
+    (["loss.policy_loss=ppo", "run.name=mine"], "mine"),
+])
+def test_run_label_names_the_anchor_the_loss_really_uses(overrides, label):
+    assert load_experiment(DEMO, overrides).label == label
+
+
+def test_report_labels_a_run_from_its_saved_config_like_the_run_does(tmp_path):
+    from megatron_cispo.demo.report import summarize
+    from megatron_cispo.experiment import dump_yaml
+
+    cfg = load_experiment(DEMO, ["loss.policy_loss=ppo", "loss.cispo.anchor=rollout"])
+    (tmp_path / "config.yaml").write_text(dump_yaml(cfg))
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.5}\n')
+    assert summarize(tmp_path)["label"] == cfg.label == "ppo:old"

@@ -222,3 +222,19 @@ def test_invalid_flag_value_error_names_the_flag_and_the_field():
 def test_configs_the_dropin_cannot_honour_are_rejected_with_the_megatron_flag(change, flag):
     with pytest.raises(ConfigError, match=flag):
         mlm.configure(dataclasses.replace(LossConfig(), **change))
+
+
+def test_dropin_does_not_mask_a_nonfinite_current_logprob_like_compute_policy_loss():
+    # One rule for both paths: a sampler's -inf is dropped, the current policy's surfaces.
+    mlm.configure(LossConfig(policy_loss="cispo"))
+    x = _inputs(6)
+    cur = x["current_logprobs"].detach().clone()
+    cur[0, 1] = -math.inf
+    x["current_logprobs"] = cur.requires_grad_(True)
+    loss = mlm.calculate_grpo_loss(**x, clamp_eps_lower=0.2, clamp_eps_upper=0.2, kl_beta=0.0,
+                                   entropy_weight=0.0)[0]
+    finite = torch.isfinite(loss)
+    assert not finite[0, 1] and finite.sum() == B * S - 1
+    want = compute_policy_loss(LossConfig(policy_loss="cispo"), logprobs=cur.detach(), advantages=x["advantages"],
+                               loss_mask=torch.ones(B, S, dtype=torch.bool), old_logprobs=x["old_logprobs"])
+    assert want.metrics["policy/nonfinite_dropped"] == 0 and not torch.isfinite(want.loss)

@@ -201,3 +201,28 @@ def test_vocab_parallel_get_logprobs_keeps_the_shard_and_matches_log_softmax(mon
     assert logits.grad is not None and logits.grad.shape == logits.shape
     model.pg_collection.pp = "first"
     assert mlm.get_logprobs(model, tokens, None, no_grad=True) is logits  # non-last stage: output as is
+
+
+def test_vocab_parallel_get_logprobs_scores_the_full_contiguous_shard_without_a_copy(monkeypatch):
+    from megatron_cispo.integrations.megatron_lm import vocab_logprobs
+    from megatron_cispo.logprobs import IGNORE_INDEX, token_logprobs
+
+    tree = _Tree(monkeypatch)
+    tree.args = argparse.Namespace(fp16=False, bf16=False, rl_sequence_packing_max_sequences_per_bin=8)
+    logits = torch.randn(2, 6, 11, generator=torch.Generator().manual_seed(2)).requires_grad_(True)
+    tokens = torch.randint(0, 11, (2, 6), generator=torch.Generator().manual_seed(3))
+    seen = []
+
+    def spy(x, targets, **kw):
+        seen.append((x, targets))
+        return token_logprobs(x, targets, **kw)
+
+    monkeypatch.setattr(vocab_logprobs, "token_logprobs", spy)
+    lp = mlm.get_logprobs(_Model(logits), tokens, torch.arange(6).expand(2, 6))
+    (x, targets), = seen
+    # the model's own buffer, not an [:, :-1] view that token_logprobs would have to copy
+    assert x is logits and x.is_contiguous()
+    assert torch.equal(targets[:, :-1], tokens[:, 1:]) and (targets[:, -1] == IGNORE_INDEX).all()
+    want = torch.log_softmax(logits.detach()[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    assert lp.shape == (2, 5) and lp.is_contiguous()
+    torch.testing.assert_close(lp, want)

@@ -14,17 +14,23 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ...config import LossConfig, TISConfig
-from ...losses import LossInputs, Metrics, get_policy_loss, kl_estimate, log_ratio
-from ...losses.common import tis_weights
+from ...config import KLConfig, LossConfig, TISConfig
+from ...losses import get_policy_loss, kl_estimate, log_ratio, per_token_policy_loss
 from .settings import loss_config
 
 
 @functools.lru_cache(maxsize=32)
-def effective_config(cfg: LossConfig, clamp_eps_lower: float, clamp_eps_upper: float) -> LossConfig:
-    """cfg with the PPO clip taken from Megatron's --grpo-clamp-eps-lower/upper (what the call gets)."""
+def effective_config(cfg: LossConfig, clamp_eps_lower: float, clamp_eps_upper: float, kl_beta: float = 0.0,
+                     entropy_weight: float = 0.0, tis_cap: Optional[float] = None) -> LossConfig:
+    """cfg with what the call gets from Megatron's flags: the PPO clip (--grpo-clamp-eps-lower/upper),
+    the k3 KL weight (--grpo-kl-beta), the entropy weight (--grpo-entropy-term-weight) and, when
+    tis_cap is given, token-level TIS (--rl-importance-sampling-truncation-coef; inf = uncapped)."""
+    if kl_beta < 0:
+        raise ValueError(f"calculate_grpo_loss: kl_beta (--grpo-kl-beta) must be >= 0, got {kl_beta!r}")
     ppo = dataclasses.replace(cfg.ppo, eps_low=float(clamp_eps_lower), eps_high=float(clamp_eps_upper))
-    return dataclasses.replace(cfg, ppo=ppo)
+    tis = TISConfig() if tis_cap is None else TISConfig(level="token", cap=float(tis_cap))
+    return dataclasses.replace(cfg, ppo=ppo, kl=KLConfig(coef=float(kl_beta), estimator="k3"),
+                               entropy_coef=float(entropy_weight), tis=tis)
 
 
 def clip_bounds(cfg: LossConfig) -> Optional[tuple[float, float]]:
@@ -75,12 +81,13 @@ def calculate_grpo_loss(
       loss = w_is * policy_loss + kl_beta * k3(pi_ref/pi) - entropy_weight * (-p log p)
     policy_loss is the registered loss (clamp_eps_* become ppo.eps_*). w_is = min(pi_old /
     pi_rollout, is_truncation_coef) only with the old anchor and inference_logprobs given, as in
-    Megatron-LM. Tokens with a non-finite required logprob get loss 0 and ratio 1.
-    No collectives.
+    Megatron-LM. The loss is losses.per_token_policy_loss with every position trained: tokens
+    whose anchor/old/inference (or, with kl_beta > 0, ref) logprob is -inf or NaN get loss 0,
+    ratio 1 and zero, finite grads; a non-finite current logprob is not masked (a model bug
+    surfaces in the loss). No collectives.
     """
-    cfg = effective_config(loss_config(), clamp_eps_lower, clamp_eps_upper)
-    spec = get_policy_loss(cfg.policy_loss)
-    anchor = spec.anchor_for(cfg)
+    base = loss_config()
+    anchor = get_policy_loss(base.policy_loss).anchor_for(base)
     shape = tuple(current_logprobs.shape)
     for name, t in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs),
                     ("inference_logprobs", inference_logprobs)):
@@ -89,39 +96,34 @@ def calculate_grpo_loss(
                              f"current_logprobs shape {shape}")
     if anchor == "rollout":
         if inference_logprobs is None:
-            raise ValueError(f"policy_loss={cfg.policy_loss!r} with anchor='rollout' needs the sampler's "
+            raise ValueError(f"policy_loss={base.policy_loss!r} with anchor='rollout' needs the sampler's "
                              "logprobs, but inference_logprobs is None; pass --rl-inference-logprobs-is-correction "
                              "so that train_rl.py hands them to the loss")
         if is_truncation_coef is not None:
-            raise ValueError(f"policy_loss={cfg.policy_loss!r} with anchor='rollout' cannot be combined with "
+            raise ValueError(f"policy_loss={base.policy_loss!r} with anchor='rollout' cannot be combined with "
                              f"--rl-importance-sampling-truncation-coef={is_truncation_coef!r}: the rollout "
                              "anchor already corrects for the sampler; TIS would double-count it. Drop the flag")
     use_is = anchor == "old" and inference_logprobs is not None
-    anchor_lp = inference_logprobs if anchor == "rollout" else old_logprobs
+    tis_cap = (float("inf") if is_truncation_coef is None else float(is_truncation_coef)) if use_is else None
+    cfg = effective_config(base, clamp_eps_lower, clamp_eps_upper, kl_beta, entropy_weight, tis_cap)
 
     lp = current_logprobs.float()
-    valid = torch.isfinite(lp) & torch.isfinite(anchor_lp)
-    if use_is:
-        valid &= torch.isfinite(old_logprobs) & torch.isfinite(inference_logprobs)
+    entropy = -lp.exp() * lp  # Megatron-LM's term: -p log p of the sampled token
+    # Every position is "trained": loss_func applies Megatron's own loss mask afterwards.
+    loss, valid, _ = per_token_policy_loss(
+        cfg, logprobs=lp, advantages=token_advantages(advantages, lp, seq_starts, seq_lengths),
+        loss_mask=torch.ones_like(lp, dtype=torch.bool), old_logprobs=old_logprobs,
+        rollout_logprobs=inference_logprobs, ref_logprobs=ref_logprobs, entropy=entropy)
 
+    # The per-token outputs Megatron-LM logs, on the same zeroed inputs as the loss.
     def clean(t: Tensor, mask: Tensor = valid) -> Tensor:
-        # where() before any math: a NaN in an unselected branch would still poison the grad.
         return torch.where(mask, t.float(), 0.0)
 
-    x = LossInputs(logprobs=clean(lp), anchor_logprobs=clean(anchor_lp).detach(),
-                   advantages=clean(token_advantages(advantages, lp, seq_starts, seq_lengths)).detach(),
-                   mask=valid)
-    per_token, _ = spec(cfg, x)
-    if use_is:
-        cap = float("inf") if is_truncation_coef is None else float(is_truncation_coef)
-        tis = TISConfig(level="token", cap=cap)
-        per_token = per_token * tis_weights(tis, clean(old_logprobs), clean(inference_logprobs), valid, Metrics())
+    lp_valid, anchor_lp = clean(lp), clean(inference_logprobs if anchor == "rollout" else old_logprobs).detach()
     has_ref = valid & torch.isfinite(ref_logprobs)
-    kl_term = torch.where(has_ref, kl_estimate("k3", x.logprobs, clean(ref_logprobs, has_ref).detach()), 0.0)
-    entropy_term = -x.logprobs.exp() * x.logprobs  # Megatron-LM's term: -p log p of the sampled token
-    loss = per_token + kl_beta * kl_term - entropy_weight * entropy_term
-
-    ratios = log_ratio(x.logprobs, x.anchor_logprobs).detach().exp()
+    kl_term = torch.where(has_ref, kl_estimate("k3", lp_valid, clean(ref_logprobs, has_ref).detach()), 0.0)
+    entropy_term = clean(entropy)
+    ratios = log_ratio(lp_valid, anchor_lp).detach().exp()
     bounds = clip_bounds(cfg)
     if bounds is None:
         above = below = torch.zeros_like(valid)

@@ -10,9 +10,10 @@ import importlib
 from contextlib import nullcontext
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from ...logprobs import token_logprobs
+from ...logprobs import IGNORE_INDEX, token_logprobs
 from .settings import logprob_temperature
 
 RL_UTILS = "megatron.rl.rl_utils"
@@ -47,7 +48,12 @@ def get_logprobs(model, tokens, position_ids, no_grad=False, sequence_packing=Fa
     pg_collection = rl.get_attr_wrapped_model(model, "pg_collection")
     if not rl.is_pp_last_stage(pg_collection.pp):
         return output
+    # Score the whole (contiguous) output against targets shifted left and padded with
+    # IGNORE_INDEX, then drop the last column: slicing output[:, :-1] instead would make
+    # token_logprobs copy the [b, s, v/tp] shard in forward and backward, and rule out the
+    # in-place gradient.
+    targets = F.pad(tokens[:, 1:], (0, 1), value=IGNORE_INDEX)
     with torch.no_grad() if no_grad else nullcontext():
-        logprobs: Tensor = token_logprobs(output[:, :-1, :], tokens[:, 1:], tp_group=pg_collection.tp,
+        logprobs: Tensor = token_logprobs(output, targets, tp_group=pg_collection.tp,
                                           temperature=logprob_temperature())
-        return logprobs.to(output.dtype)
+        return logprobs[:, :-1].to(output.dtype).contiguous()
