@@ -16,7 +16,7 @@ from torch import Tensor
 from ..config import LossConfig
 from .aggregate import aggregate, finalize
 from .common import LossInputs, Metrics, kl_estimate, kl_penalty, tis_weights
-from .registry import get_policy_loss, input_reasons, missing_input_message
+from .registry import check_loss_config, get_policy_loss, input_reasons, missing_input_message
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,10 +84,8 @@ def per_token_policy_loss(
     for name in needed:
         if given[name] is None:
             raise ValueError(missing_input_message(cfg, name))
+    check_loss_config(cfg)
     anchor = spec.anchor_for(cfg)
-    if anchor == "rollout" and cfg.tis.level is not None:
-        raise ValueError(f"policy_loss={cfg.policy_loss!r} anchors on rollout_logprobs and cannot be combined "
-                         f"with tis.level={cfg.tis.level!r}: it would double-count the off-policy correction")
 
     trained = loss_mask != 0
     valid = trained
