@@ -203,8 +203,12 @@ def compute_logprobs(chunks, batch: Rollouts, *, micro_batch_size: int, temperat
 
 
 def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_cfg: StepConfig, *,
-                vocab_size: Optional[int] = None, calls: Optional[list] = None) -> dict[str, float]:
+                vocab_size: Optional[int] = None, ref_chunks=None, calls: Optional[list] = None) -> dict[str, float]:
     """Run one full RL update (minibatches x epochs, each an optimizer step) on DP-local `batch`.
+
+    pi_old comes from `batch.old_logprobs`, the training forward, or a forward-only pass, as
+    `plan_old_logprobs` decides. With KL on and no `batch.ref_logprobs`, the reference model's
+    `ref_chunks` (same layout) are scored in a forward-only pass through the same schedule.
 
     Returns global metrics (identical on every rank): the loss metrics reduced exactly over
     microbatches and DP ("policy/loss", "<loss>/ratio_mean", ...), "step/grad_norm" (mean
@@ -234,13 +238,16 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
     # Checked on every rank before the schedule starts: raised inside the last stage's loss,
     # a missing input would leave the other stages waiting in p2p until the timeout.
     for name in sorted(required_inputs(loss_cfg) - {"entropy"}):
-        produced = name == "old_logprobs" and plan in ("pass", "from_training_forward")
+        produced = (name == "old_logprobs" and plan in ("pass", "from_training_forward")
+                    or name == "ref_logprobs" and ref_chunks is not None)
         if getattr(batch, name) is None and not produced:
             raise ValueError(f"rollouts.{name} is missing: {missing_input_message(loss_cfg, name)}")
+    score = partial(compute_logprobs, batch=batch, micro_batch_size=step_cfg.micro_batch_size,
+                    temperature=step_cfg.temperature, vocab_size=vocab_size, calls=calls)
     if plan == "pass":
-        old = compute_logprobs(chunks, batch, micro_batch_size=step_cfg.micro_batch_size,
-                               temperature=step_cfg.temperature, vocab_size=vocab_size, calls=calls)
-        batch = Rollouts(**{**batch.select(slice(None)), "old_logprobs": old})
+        batch = Rollouts(**{**batch.select(slice(None)), "old_logprobs": score(chunks)})
+    if "ref_logprobs" in required_inputs(loss_cfg) and batch.ref_logprobs is None:
+        batch = Rollouts(**{**batch.select(slice(None)), "ref_logprobs": score(ref_chunks)})
     forward_step = make_forward_step(loss_cfg, temperature=step_cfg.temperature, vocab_size=vocab_size,
                                      old_from_current=plan == "from_training_forward", calls=calls)
     reports, grad_norms, skipped = [], [], 0

@@ -18,6 +18,8 @@ CASES = {
     "old_two_steps_seq_mean_token_sum": (
         {"cispo": {"anchor": "old"}, "loss_agg": "seq_mean_token_sum"}, {"minibatch_size": 4}),
     "rollout_two_steps_token_mean": ({"cispo": {"anchor": "rollout"}}, {"minibatch_size": 4}),
+    # KL against a reference model scored inside policy_step by a forward-only pass
+    "rollout_kl_ref_model": ({"cispo": {"anchor": "rollout"}, "kl": {"coef": 0.5, "estimator": "k3"}}, {}),
 }
 
 
@@ -61,8 +63,9 @@ def policy_step_worker(tp, pp, vp=None, layers=4, cases=tuple(CASES), micro=2):
                          rollout_logprobs=stale)
         counted = []
         hook = chunks[0].module.register_forward_pre_hook(lambda *a: counted.append(1))
+        ref = build_model(mcfg, tp=tp, pp=pp, vp=vp, seed=5, wrap_ddp=False) if "ref" in name else None
         metrics = policy_step(chunks, opt, batch, from_dict(LossConfig, loss_over),
-                              StepConfig(micro_batch_size=micro, **step_kw))
+                              StepConfig(micro_batch_size=micro, **step_kw), ref_chunks=ref)
         hook.remove()
         out[name] = {"metrics": metrics, "state": gather_full_state(chunks), "hooked_forwards": len(counted)}
     return out
@@ -140,6 +143,11 @@ def test_forward_passes_follow_the_anchor(reference):
         assert m["step/old_logprob_pass"] == ran, case
         assert m["step/forward_calls"] == forwards, case
         assert reference[case]["hooked_forwards"] == forwards, case
+    # the reference model's pass adds 4 forwards of the reference model, none of the policy
+    ref_case = reference["rollout_kl_ref_model"]
+    assert ref_case["metrics"]["step/forward_calls"] == 8 and ref_case["hooked_forwards"] == 4
+    assert ref_case["metrics"]["step/old_logprob_pass"] == 0.0
+    assert ref_case["metrics"]["policy/kl"] > 0.0  # a different model: the KL term is really there
 
 
 def missing_rollout_worker():
