@@ -1,0 +1,91 @@
+"""Every command shown in README.md and docs/*.md refers to things that exist, and every YAML
+run it shows passes `megatron_cispo.train --check` at the world size it would launch with.
+
+Commands that can run on CPU in seconds run for real (benchmarks in --quick mode); the demo,
+torchrun and multi-node commands run in the other e2e tests; GPU/SLURM ones are checked here.
+"""
+import importlib.util
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from e2e_helpers import ROOT, env
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"```(?:bash|sh|console)?\n(.*?)```", re.S)
+INLINE = re.compile(r"(?<!`)`((?:[A-Z_]+=\S+\s+)*(?:python|bash|torchrun|sbatch) [^`]+)`(?!`)")
+
+
+def _commands():
+    """(doc, command) for each shell command in a fenced block; continuations joined."""
+    out = []
+    for doc in DOCS:
+        for block in FENCE.findall(doc.read_text()):
+            joined = re.sub(r"\\\n\s*", " ", block)
+            for line in joined.splitlines():
+                line = line.split(" # ")[0].split("   #")[0].strip().rstrip("&").strip()
+                if re.match(r"^([A-Z_]+=\S+\s+)*(python|bash|torchrun|sbatch)\b", line):
+                    out.append((doc.name, line))
+        prose = FENCE.sub("", doc.read_text())
+        out += [(doc.name, cmd.strip()) for cmd in INLINE.findall(prose)]
+    return out
+
+
+COMMANDS = _commands()
+
+
+def _world_size(words: list[str]) -> int:
+    env_vars = dict(w.split("=", 1) for w in words if re.match(r"^[A-Z_]+=", w))
+    for flag in ("--world-size", "--nproc-per-node", "--nproc_per_node"):
+        if flag in words:
+            return int(words[words.index(flag) + 1])
+    if "NPROC" in env_vars:
+        return int(env_vars["NPROC"])
+    if "sbatch" in words:
+        return int(words[words.index("--nodes") + 1]) * int(words[words.index("--gpus-per-node") + 1])
+    if "NNODES" in env_vars:
+        return int(env_vars["NNODES"]) * int(env_vars.get("GPUS_PER_NODE", "4"))
+    return 4  # launch/single_node.sh and demo.sh default on CPU
+
+
+def test_the_docs_show_commands():
+    assert len(COMMANDS) >= 15, COMMANDS  # the parser found the documented commands
+
+
+@pytest.mark.parametrize("doc,cmd", COMMANDS, ids=[f"{d}:{c[:50]}" for d, c in COMMANDS])
+def test_documented_command_refers_to_real_things(doc, cmd):
+    words = [w for w in shlex.split(cmd) if "<" not in w]
+    for i, w in enumerate(words):
+        if w == "-m" and i + 1 < len(words):
+            assert importlib.util.find_spec(words[i + 1]) is not None, f"{doc}: no module {words[i + 1]}"
+        elif re.search(r"\.(py|sh|sbatch|yaml)$", w) and "/" in w and not w.startswith(("path/", "/path")):
+            if w.startswith(("train_rl.py", "runs/")):
+                continue  # the user's Megatron-LM script; run outputs
+            assert (ROOT / w).exists(), f"{doc}: {cmd!r} names {w}, which does not exist"
+
+
+YAML_RUNS = [(d, c) for d, c in COMMANDS if re.search(r"yaml_configs/[\w.]+\.yaml", c)]
+
+
+@pytest.mark.parametrize("doc,cmd", YAML_RUNS, ids=[f"{d}:{c[:50]}" for d, c in YAML_RUNS])
+def test_documented_yaml_run_passes_check_at_its_world_size(doc, cmd):
+    words = shlex.split(cmd)
+    config = next(w for w in words if re.match(r"yaml_configs/[\w.]+\.yaml$", w))
+    overrides = [w for w in words[words.index(config) + 1:] if re.match(r"^[a-z_]+(\.[a-z_]+)+=", w)]
+    world = _world_size(words)
+    proc = subprocess.run([sys.executable, "-m", "megatron_cispo.train", "--check", config, *overrides,
+                           "--world-size", str(world)], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"{doc}: {cmd!r}\n{proc.stderr}"
+    assert f"# ok: {world} processes" in proc.stdout
+
+
+@pytest.mark.parametrize("script", ["benchmarks/bench_logprobs.py", "benchmarks/bench_policy_step.py"])
+def test_documented_benchmark_runs_in_quick_mode(script):
+    proc = subprocess.run([sys.executable, script, "--quick"], cwd=ROOT, env=env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| TP |" in proc.stdout or "| ratio |" in proc.stdout, proc.stdout[-2000:]
