@@ -69,8 +69,3 @@ def reduce_reports(reports: list[dict], group=None) -> dict[str, float]:
     for k, v in zip(max_keys, maxs.tolist()):
         out[k] = v
     return out
-
-
-def all_reduce_sum(value: Tensor, group=None) -> Tensor:
-    """SUM all-reduce of a small tensor (returns it; a no-op without a multi-rank group)."""
-    return _all_reduce(value, dist.ReduceOp.SUM, group)

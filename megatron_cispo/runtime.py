@@ -185,12 +185,6 @@ def init_distributed(
     return _ENV
 
 
-def current_env() -> DistEnv:
-    if _ENV is None:
-        raise RuntimeError("init_distributed() has not been called in this process")
-    return _ENV
-
-
 def shutdown() -> None:
     """Destroy megatron parallel state and the process group, and leave CpuCompat."""
     global _ENV

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ...config import ConfigError, LossConfig, describe_fields, from_dict
 
@@ -29,8 +29,8 @@ FLAGS: dict[str, str] = {
 }
 TEMPERATURE_FLAG = "--cispo-temperature"
 
-_config: Optional[LossConfig] = None
-_temperature: Optional[float] = None
+# What configure() fixed, or what was read once from Megatron's parsed args; None = not yet.
+_settings: dict[str, Any] = {"config": None, "temperature": None}
 
 
 def _dest(flag: str) -> str:
@@ -107,12 +107,11 @@ def check_dropin_config(cfg: LossConfig) -> LossConfig:
 
 def configure(config: Optional[LossConfig] = None, *, temperature: Optional[float] = None) -> None:
     """Fix the drop-ins' LossConfig and temperature; None means "read Megatron's args on first use"."""
-    global _config, _temperature
     if config is not None:
         check_dropin_config(config)
     if temperature is not None and not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
-    _config, _temperature = config, temperature
+    _settings.update(config=config, temperature=temperature)
 
 
 def _megatron_args() -> Any:
@@ -127,25 +126,27 @@ def _megatron_args() -> Any:
         return None
 
 
+def _setting(key: str, read: Callable[[Any], Any], default: Callable[[], Any]) -> Any:
+    """The configured value, else `read(args)` once from Megatron's parsed args (cached), else
+    `default()` (not cached: Megatron may parse its args later)."""
+    if _settings[key] is None:
+        args = _megatron_args()
+        if args is None:
+            return default()
+        _settings[key] = read(args)
+    return _settings[key]
+
+
+def _temperature_from_args(args: Any) -> float:
+    value = getattr(args, _dest(TEMPERATURE_FLAG), None)
+    return 1.0 if value is None else float(value)
+
+
 def loss_config() -> LossConfig:
     """The LossConfig in force (configured, else from Megatron's --cispo-* flags, else defaults)."""
-    global _config
-    if _config is not None:
-        return _config
-    args = _megatron_args()
-    if args is None:
-        return LossConfig()  # not cached: Megatron may parse its args later
-    _config = loss_config_from_args(args)
-    return _config
+    return _setting("config", loss_config_from_args, LossConfig)
 
 
 def logprob_temperature() -> float:
-    global _temperature
-    if _temperature is not None:
-        return _temperature
-    args = _megatron_args()
-    if args is None:
-        return 1.0
-    value = getattr(args, _dest(TEMPERATURE_FLAG), None)
-    _temperature = 1.0 if value is None else float(value)
-    return _temperature
+    """The sampler temperature logits are divided by (configured, else --cispo-* flag, else 1)."""
+    return _setting("temperature", _temperature_from_args, lambda: 1.0)
