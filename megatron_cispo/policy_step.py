@@ -9,7 +9,7 @@ denominators over microbatches and DP and divides the gradient once: the exact g
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Literal, Optional
 
@@ -245,9 +245,9 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
     score = partial(compute_logprobs, batch=batch, micro_batch_size=step_cfg.micro_batch_size,
                     temperature=step_cfg.temperature, vocab_size=vocab_size, calls=calls)
     if plan == "pass":
-        batch = Rollouts(**{**batch.select(slice(None)), "old_logprobs": score(chunks)})
+        batch = replace(batch, old_logprobs=score(chunks))
     if "ref_logprobs" in required_inputs(loss_cfg) and batch.ref_logprobs is None:
-        batch = Rollouts(**{**batch.select(slice(None)), "ref_logprobs": score(ref_chunks)})
+        batch = replace(batch, ref_logprobs=score(ref_chunks))
     forward_step = make_forward_step(loss_cfg, temperature=step_cfg.temperature, vocab_size=vocab_size,
                                      old_from_current=plan == "from_training_forward", calls=calls)
     reports, grad_norms, skipped = [], [], 0
