@@ -73,12 +73,12 @@ class _Fresh(torch.autograd.Function):
 def _worker(tp, dtype_name, tokens, vocab, reps, threads):
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    from megatron_cispo import runtime
+    from megatron_cispo.runner import distributed
     from megatron_cispo.logprobs import release_workspace, token_logprobs
 
     _release_freed_memory()
     torch.set_num_threads(threads)
-    env = runtime.init_distributed(tp=tp)
+    env = distributed.init_distributed(tp=tp)
     gen = torch.Generator().manual_seed(1234 + env.rank)
     src = (torch.randn(tokens, vocab // tp, generator=gen) * 2).to(DTYPES[dtype_name])
     targets = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(7))

@@ -54,7 +54,7 @@ def _ce_forward_step(calls: list):
     """The plain LM step's forward_step: megatron-core CE, (loss_sum, num_tokens, report)."""
     from megatron.core import tensor_parallel
 
-    from megatron_cispo.policy_step import _forward_step_for
+    from megatron_cispo.step.forward import forward_step_for
 
     def loss_func(mb, logits):
         losses = tensor_parallel.vocab_parallel_cross_entropy(logits, mb["tokens"][:, 1:])
@@ -63,7 +63,7 @@ def _ce_forward_step(calls: list):
         num_tokens = mask.sum().detach().to(torch.int)
         return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), num_tokens.view(1)])}
 
-    return _forward_step_for(loss_func, calls)
+    return forward_step_for(loss_func, calls)
 
 
 def _ce_step(chunks, optimizer, batch, micro: int) -> dict[str, float]:
@@ -71,13 +71,13 @@ def _ce_step(chunks, optimizer, batch, micro: int) -> dict[str, float]:
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
-    from megatron_cispo.policy_step import _run_schedule, _split
+    from megatron_cispo.step.forward import run_schedule, split_microbatches
 
     calls: list = []
     for c in chunks:
         c.zero_grad_buffer()
     optimizer.zero_grad()
-    reports = _run_schedule(chunks, _ce_forward_step(calls), _split(batch.tokens.shape[0], micro, batch),
+    reports = run_schedule(chunks, _ce_forward_step(calls), split_microbatches(batch.tokens.shape[0], micro, batch),
                             forward_only=False)
     _, grad_norm, _ = optimizer.step()
     total = torch.stack([r["lm loss"] for r in reports]).sum(0)
@@ -87,13 +87,13 @@ def _ce_step(chunks, optimizer, batch, micro: int) -> dict[str, float]:
 
 
 def worker(cfg: dict, tp: int, threads: int) -> dict:
-    from megatron_cispo import runtime
+    from megatron_cispo.runner import distributed
     from megatron_cispo.config import LossConfig, from_dict
-    from megatron_cispo.model import ModelConfig, build_model, build_optimizer
-    from megatron_cispo.policy_step import Rollouts, StepConfig, compute_logprobs, policy_step
+    from megatron_cispo.runner.model import ModelConfig, build_model, build_optimizer
+    from megatron_cispo.step import Rollouts, StepConfig, compute_logprobs, policy_step
 
     torch.set_num_threads(threads)
-    runtime.init_distributed(tp=tp)
+    distributed.init_distributed(tp=tp)
     mcfg = ModelConfig(vocab_size=cfg["vocab"], seq_length=cfg["seq"], hidden_size=cfg["hidden"],
                        num_layers=cfg["layers"], num_attention_heads=cfg["heads"])
     chunks = build_model(mcfg, tp=tp, pp=1, seed=0)

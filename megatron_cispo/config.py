@@ -3,6 +3,8 @@
 `LossConfig` mirrors the `loss:` section of an experiment YAML one-to-one. Build it with
 `from_dict(LossConfig, yaml_dict["loss"], path="loss")`; `apply_overrides` applies
 `a.b.c=value` command-line overrides first, and `describe_fields` feeds the config docs.
+Each section checks only its own fields; rules that need the loss registry (the loss name, a
+rollout anchor stacked with TIS) are `losses.check_loss_config`.
 """
 from __future__ import annotations
 
@@ -124,16 +126,6 @@ class LossConfig:
         _require(math.isfinite(self.entropy_coef), self, "entropy_coef", "finite")
         if self.loss_agg == "seq_mean_token_sum_norm" and self.max_len is None:
             raise ValueError("LossConfig.max_len must be > 0 when loss_agg='seq_mean_token_sum_norm', got None")
-        if self.tis.level is not None:
-            # The rollout anchor already divides by pi_rollout; TIS would divide by it a second time.
-            if self.policy_loss == "cispo" and self.cispo.anchor == "rollout":
-                raise ValueError(
-                    f"cispo.anchor='rollout' cannot be combined with tis.level={self.tis.level!r}: "
-                    "it would double-count the off-policy correction; set tis.level to None or anchor to 'old'")
-            if self.policy_loss == "rollout_is":
-                raise ValueError(
-                    f"policy_loss='rollout_is' cannot be combined with tis.level={self.tis.level!r}: "
-                    "it would double-count the off-policy correction; set tis.level to None")
 
 
 # ---------------------------------------------------------------- generic loader

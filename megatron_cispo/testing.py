@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 _PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt",
             "megatron.core.pipeline_parallel", "megatron.core.optimizer",
-            "megatron.core.distributed", "megatron_cispo.runtime"]
+            "megatron.core.distributed", "megatron_cispo.runner.distributed"]
 
 
 class RankFailed(RuntimeError):
@@ -46,10 +46,10 @@ def _entry(fn, args, rank, world_size, port, env, out):
     except BaseException:  # noqa: BLE001 - forwarded to the parent verbatim
         out.put(("err", rank, traceback.format_exc()))
     finally:
-        from megatron_cispo import runtime
+        from megatron_cispo.runner import distributed
 
         try:
-            runtime.shutdown()
+            distributed.shutdown()
         except Exception:  # noqa: BLE001 - teardown after a failure must not mask it
             pass
 

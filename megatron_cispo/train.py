@@ -14,9 +14,9 @@ import os
 import sys
 
 from .config import ConfigError
-from .experiment import dump_yaml, load_experiment, resolve_world
 from .integrations.plugins import PluginImportError, load_plugins
-from .losses import check_loss_config, required_inputs
+from .losses import required_inputs
+from .runner.experiment import dump_yaml, load_experiment, resolve_world
 
 EXIT_CONFIG = 2
 
@@ -43,11 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         load_plugins()  # MEGATRON_CISPO_PLUGINS may register the loss the config names
         cfg = load_experiment(args.config, args.overrides)
-        dp = resolve_world(cfg, world)
-        try:  # registry checks (unknown loss, rollout anchor + TIS) fail here, once, not mid-step
-            check_loss_config(cfg.loss)
-        except ValueError as e:
-            raise ConfigError(f"loss: {e}") from None
+        dp = resolve_world(cfg, world)  # load_experiment already ran the loss registry's rules
         if "ref_logprobs" in required_inputs(cfg.loss):
             raise ConfigError(f"loss.kl.coef: the demo trains without a reference policy, so kl.coef must "
                               f"be 0, got {cfg.loss.kl.coef}")

@@ -14,8 +14,8 @@ import time
 import torch
 
 from ..config import ConfigError
-from ..experiment import ExperimentConfig, dump_yaml
-from . import checkpoint
+from ..runner import checkpoint
+from ..runner.experiment import ExperimentConfig, dump_yaml
 from .metrics import MetricsWriter, headline
 from .sampler import Sampler
 
@@ -47,13 +47,13 @@ def run(cfg: ExperimentConfig) -> None:
                           "CUDA tensors); use fp32 on CPU. rollout.precision=bf16 still gives a bf16 sampler")
     from megatron.core import parallel_state as mpu
 
-    from .. import runtime
-    from ..model import build_model, build_optimizer, gather_full_state
-    from ..policy_step import Rollouts, StepConfig, policy_step
+    from ..runner import distributed
+    from ..runner.model import build_model, build_optimizer, gather_full_state
+    from ..step import Rollouts, StepConfig, policy_step
 
     p = cfg.parallelism
     try:
-        env = runtime.init_distributed(tp=p.tp, pp=p.pp, vp=p.vp, seed=cfg.run.seed)
+        env = distributed.init_distributed(tp=p.tp, pp=p.pp, vp=p.vp, seed=cfg.run.seed)
     except ValueError as e:  # a layout this runtime cannot run; raised identically on every rank
         raise ConfigError(f"parallelism: {e}") from e
     try:
@@ -68,7 +68,8 @@ def run(cfg: ExperimentConfig) -> None:
         start = 0
         last = checkpoint.last_complete(cfg.run.run_dir) if cfg.run.resume else None
         if last is not None:
-            start = checkpoint.load(last, chunks=chunks, optimizer=optimizer, sampler=sampler, layout=layout)
+            start = checkpoint.load(last, chunks=chunks, optimizer=optimizer, shared={"sampler": sampler},
+                                    layout=layout)
         else:
             sampler.sync(0, gather_full_state(chunks))  # version 0: the initial weights
         step_cfg = StepConfig(micro_batch_size=p.micro_batch_size, temperature=cfg.rollout.temperature)
@@ -98,13 +99,13 @@ def run(cfg: ExperimentConfig) -> None:
                 now = time.perf_counter()
                 writer.log(_record(step, batch, metrics, cfg, lr, now - t0, now - t_start))
             if cfg.run.checkpoint_interval and (step + 1) % cfg.run.checkpoint_interval == 0:
-                checkpoint.save(cfg.run.run_dir, step + 1, chunks=chunks, optimizer=optimizer, sampler=sampler,
-                                layout=layout, keep=cfg.run.checkpoint_keep)
+                checkpoint.save(cfg.run.run_dir, step + 1, chunks=chunks, optimizer=optimizer,
+                                shared={"sampler": sampler}, layout=layout, keep=cfg.run.checkpoint_keep)
         if writer is not None:
             writer.close()
             _finish(cfg, writer.dir, time.perf_counter() - t_start)
     finally:
-        runtime.shutdown()
+        distributed.shutdown()
 
 
 def _finish(cfg: ExperimentConfig, run_dir, seconds: float) -> None:

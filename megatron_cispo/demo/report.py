@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from ..config import LossConfig, from_dict
-from ..experiment import run_label
+from ..runner.experiment import run_label
 from .metrics import read_metrics
 
 MIN_GAIN = 2.0

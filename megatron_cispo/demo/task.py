@@ -21,14 +21,13 @@ def keyed_generator(*key: object) -> torch.Generator:
 class Task:
     """Token ids: digits 0..base-1, then BOS, SEP and PLUS (for `add`)."""
 
-    def __init__(self, cfg):  # cfg: experiment.RolloutConfig
+    def __init__(self, cfg):  # cfg: runner.experiment.RolloutConfig, which also holds the geometry
         self.cfg = cfg
-        self.base, d = cfg.base, cfg.digits
+        self.base = cfg.base
         self.bos, self.sep, self.plus = self.base, self.base + 1, self.base + 2
-        self.vocab_size = self.base + 3
-        self.prompt_len = 2 * d + 1 if cfg.task == "add" else d
-        self.answer_len = d + 1 if cfg.task == "add" else d
-        self.total_len = self.prompt_len + self.answer_len + 2  # tokens per sequence
+        self.vocab_size = cfg.vocab_size
+        self.prompt_len, self.answer_len = cfg.prompt_len, cfg.answer_len
+        self.total_len = cfg.total_len  # tokens per sequence
         self.seq_len = self.total_len - 1  # model input length (tokens[:, :-1])
 
     def prompts(self, seed: int, step: int, n: int) -> Tensor:

@@ -1,7 +1,8 @@
 """Policy losses: a registry of per-token losses and `compute_policy_loss`, which runs one.
 
-    out = compute_policy_loss(cfg, logprobs=lp, advantages=a, loss_mask=m, old_logprobs=old)
+    out = compute_policy_loss(cfg, lp, advantages=a, loss_mask=m, old_logprobs=old)
     out.loss.backward()  # or sum out.loss_sum / out.denominator over microbatches and DP first
+    out.metrics          # a Metrics: reducible parts; .values() gives the local numbers
 
 Metric keys: "<policy_loss>/..." for what the loss computes (ratio_mean, ratio_min, ratio_max,
 clip_frac_low, clip_frac_high, weight_mean, masked_frac, ...; same suffixes for every
@@ -11,7 +12,7 @@ built-in loss), "policy/..." (loss, tokens, nonfinite_dropped, kl, entropy), "ti
 """
 from . import cispo, ppo, rollout_is  # noqa: F401  (registers the built-in losses)
 from .aggregate import aggregate, finalize
-from .common import LOG_RATIO_CLAMP, LossInputs, Metrics, kl_estimate, log_ratio
+from .common import LOG_RATIO_CLAMP, LossInputs, kl_estimate, log_ratio
 from .compute import PolicyLossOutput, compute_policy_loss, per_token_policy_loss
 from .registry import (
     ENTRY_POINT_GROUP,
@@ -23,6 +24,7 @@ from .registry import (
     register_policy_loss,
     required_inputs,
 )
+from .metrics import Metrics
 
 __all__ = [
     "ENTRY_POINT_GROUP", "LOG_RATIO_CLAMP", "LossInputs", "Metrics", "PolicyLoss", "PolicyLossOutput",

@@ -9,11 +9,12 @@ import torch
 from torch import Tensor
 
 from ..config import LossConfig
-from .common import LossInputs, Metrics, log_ratio, ratio_metrics
+from .common import LossInputs, log_ratio, ratio_metrics
+from .metrics import Metrics
 from .registry import register_policy_loss
 
 
-@register_policy_loss("cispo", anchor=lambda cfg: cfg.cispo.anchor)
+@register_policy_loss("cispo", anchor=lambda cfg: cfg.cispo.anchor, anchor_key="cispo.anchor")
 def cispo_loss(cfg: LossConfig, x: LossInputs) -> tuple[Tensor, Metrics]:
     c = cfg.cispo
     ratio = log_ratio(x.logprobs, x.anchor_logprobs).detach().exp()

@@ -1,16 +1,16 @@
-"""Shared pieces of every policy loss: inputs, guarded ratios, metrics, KL and TIS.
+"""Shared pieces of every policy loss: inputs, guarded ratios, the common ratio metrics, KL and TIS.
 
-Pure tensor math on [b, s] fp32 tensors; no process groups. Metrics are collected as
-reducible parts, (sum, count), min, max and plain totals, so a caller can all-reduce them.
+Pure tensor math on [b, s] fp32 tensors; no process groups.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from ..config import KLConfig, TISConfig
+from .metrics import Metrics
 
 # exp(20) ~ 4.9e8 is far past any clip bound yet keeps exp() and its grad finite in fp32.
 LOG_RATIO_CLAMP = 20.0
@@ -28,45 +28,6 @@ class LossInputs:
     anchor_logprobs: Tensor
     advantages: Tensor
     mask: Tensor  # bool
-
-
-@dataclass
-class Metrics:
-    """Detached metric parts: `sums` key -> (sum, count); `mins`, `maxs`, `totals` key -> value."""
-
-    sums: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
-    mins: dict[str, Tensor] = field(default_factory=dict)
-    maxs: dict[str, Tensor] = field(default_factory=dict)
-    totals: dict[str, Tensor] = field(default_factory=dict)
-
-    def mean(self, key: str, values: Tensor, mask: Tensor) -> None:
-        values = torch.where(mask, values.detach().float(), 0.0)
-        self.sums[key] = (values.sum(), mask.sum().float())
-
-    def frac(self, key: str, hit: Tensor, mask: Tensor) -> None:
-        self.mean(key, hit.float(), mask)
-
-    def min_max(self, key: str, values: Tensor, mask: Tensor) -> None:
-        # +inf / -inf when nothing is valid, so a MIN / MAX all-reduce ignores this rank.
-        v = values.detach().float().reshape(-1)
-        m = mask.reshape(-1)
-        inf = torch.tensor(float("inf"), device=v.device)
-        self.mins[f"{key}_min"] = torch.where(m, v, inf).amin() if v.numel() else inf
-        self.maxs[f"{key}_max"] = torch.where(m, v, -inf).amax() if v.numel() else -inf
-
-    def total(self, key: str, value: Tensor) -> None:
-        self.totals[key] = value.detach().float()
-
-    def update(self, other: Metrics, prefix: str = "") -> Metrics:
-        for mine, theirs in ((self.sums, other.sums), (self.mins, other.mins),
-                             (self.maxs, other.maxs), (self.totals, other.totals)):
-            mine.update({prefix + k: v for k, v in theirs.items()})
-        return self
-
-    def values(self) -> dict[str, Tensor]:
-        """Local final values: sum / max(count, 1), min, max, total."""
-        out = {k: s / c.clamp(min=1.0) for k, (s, c) in self.sums.items()}
-        return {**out, **self.mins, **self.maxs, **self.totals}
 
 
 def log_ratio(logprobs: Tensor, anchor: Tensor) -> Tensor:

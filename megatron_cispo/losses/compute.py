@@ -3,7 +3,7 @@
 per_token_policy_loss validates inputs, drops tokens whose required logprobs are non-finite
 (counted), runs the registered loss and applies TIS, KL and the entropy bonus; the Megatron-LM
 drop-in uses it as is. compute_policy_loss then aggregates into (loss_sum, denominator) plus
-reducible metrics. Pure tensor code; all reductions are the caller's.
+one Metrics. Pure tensor code; all reductions are the caller's (step.reduce_metrics).
 """
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from torch import Tensor
 
 from ..config import LossConfig
 from .aggregate import aggregate, finalize
-from .common import LossInputs, Metrics, kl_estimate, kl_penalty, tis_weights
-from .registry import check_loss_config, get_policy_loss, input_reasons, missing_input_message
+from .common import LossInputs, kl_estimate, kl_penalty, tis_weights
+from .metrics import Metrics
+from .registry import check_loss_config, input_reasons, missing_input_message
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,19 +25,14 @@ class PolicyLossOutput:
     """loss = loss_sum / max(denominator, 1). Sum loss_sum and denominator over microbatches
     and DP ranks, then divide once, for the exact global loss.
 
-    metrics: local final values (detached fp32 0-dim). For exact DP reduction use the parts:
-    metrics_sum key -> (sum, count) [SUM both, divide]; metrics_min [MIN]; metrics_max [MAX];
-    metrics_total [SUM].
+    metrics: this microbatch's reducible parts ("policy/loss" included); `metrics.values()` are
+    the local numbers, `step.reduce_metrics([metrics, ...], group)` the exact global ones.
     """
 
     loss: Tensor
     loss_sum: Tensor
     denominator: Tensor
-    metrics: dict[str, Tensor]
-    metrics_sum: dict[str, tuple[Tensor, Tensor]]
-    metrics_min: dict[str, Tensor]
-    metrics_max: dict[str, Tensor]
-    metrics_total: dict[str, Tensor]
+    metrics: Metrics
 
 
 def _check_shapes(logprobs: Tensor, advantages: Tensor, others: dict[str, Optional[Tensor]]) -> None:
@@ -59,8 +55,8 @@ def _zero_invalid(t: Tensor, mask: Tensor) -> Tensor:
 
 def per_token_policy_loss(
     cfg: LossConfig,
-    *,
     logprobs: Tensor,
+    *,
     advantages: Tensor,
     loss_mask: Tensor,
     old_logprobs: Optional[Tensor] = None,
@@ -76,7 +72,7 @@ def per_token_policy_loss(
     policy/nonfinite_dropped, with loss 0 and zero grad. A non-finite *current* logprob on a
     trained token is not masked: it is a model bug and should surface in the loss.
     """
-    spec = get_policy_loss(cfg.policy_loss)
+    spec = check_loss_config(cfg)  # cached: the registry rules run once per config
     given = {"old_logprobs": old_logprobs, "rollout_logprobs": rollout_logprobs,
              "ref_logprobs": ref_logprobs, "entropy": entropy}
     _check_shapes(logprobs, advantages, {"loss_mask": loss_mask, **given})
@@ -84,7 +80,6 @@ def per_token_policy_loss(
     for name in needed:
         if given[name] is None:
             raise ValueError(missing_input_message(cfg, name))
-    check_loss_config(cfg)
     anchor = spec.anchor_for(cfg)
 
     trained = loss_mask != 0
@@ -127,8 +122,8 @@ def per_token_policy_loss(
 
 def compute_policy_loss(
     cfg: LossConfig,
-    *,
     logprobs: Tensor,
+    *,
     advantages: Tensor,
     loss_mask: Tensor,
     old_logprobs: Optional[Tensor] = None,
@@ -143,12 +138,10 @@ def compute_policy_loss(
     entropy: [b, s]. Which optional tensors are needed is `required_inputs(cfg)`.
     """
     per_token, valid, m = per_token_policy_loss(
-        cfg, logprobs=logprobs, advantages=advantages, loss_mask=loss_mask, old_logprobs=old_logprobs,
+        cfg, logprobs, advantages=advantages, loss_mask=loss_mask, old_logprobs=old_logprobs,
         rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, entropy=entropy)
     loss_sum, denominator = aggregate(per_token, valid, cfg.loss_agg, cfg.max_len)
     denominator = denominator.detach()
     m.sums["policy/loss"] = (loss_sum.detach(), denominator)
-    return PolicyLossOutput(
-        loss=finalize(loss_sum, denominator), loss_sum=loss_sum, denominator=denominator,
-        metrics=m.values(), metrics_sum=m.sums, metrics_min=m.mins, metrics_max=m.maxs,
-        metrics_total=m.totals)
+    return PolicyLossOutput(loss=finalize(loss_sum, denominator), loss_sum=loss_sum, denominator=denominator,
+                            metrics=m)

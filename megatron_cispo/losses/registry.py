@@ -1,19 +1,22 @@
 """Policy-loss registry: a dict of name -> PolicyLoss, filled by a decorator and by plugins.
 
 Built-ins register on import; third-party losses come from the entry-point group
-"megatron_cispo.policy_losses", loaded lazily once. `required_inputs(cfg)` tells the policy
-step which optional tensors (old/rollout/ref logprobs, entropy) a config needs.
+"megatron_cispo.policy_losses", loaded lazily once. `check_loss_config(cfg)` holds every rule
+that needs the registry (checked once per config, then cached); `required_inputs(cfg)` tells
+the policy step which optional tensors (old/rollout/ref logprobs, entropy) a config needs.
 """
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 from dataclasses import dataclass
-from typing import Callable, Literal, Union
+from typing import Callable, Literal, Optional, Union
 
 from torch import Tensor
 
 from ..config import LossConfig
-from .common import LossInputs, Metrics
+from .common import LossInputs
+from .metrics import Metrics
 
 ENTRY_POINT_GROUP = "megatron_cispo.policy_losses"
 
@@ -34,11 +37,15 @@ class PolicyLossPluginError(RuntimeError):
 
 @dataclass(frozen=True, kw_only=True)
 class PolicyLoss:
-    """fn(cfg, inputs) -> (per-token loss [b, s] fp32, Metrics); anchor names its ratio denominator."""
+    """fn(cfg, inputs) -> (per-token loss [b, s] fp32, Metrics); anchor names its ratio denominator.
+
+    anchor_key: the config key that chooses a configurable anchor ("cispo.anchor"), for messages.
+    """
 
     name: str
     fn: LossFn
     anchor: Union[Anchor, Callable[[LossConfig], Anchor]]
+    anchor_key: Optional[str] = None
 
     def anchor_for(self, cfg: LossConfig) -> Anchor:
         anchor = self.anchor(cfg) if callable(self.anchor) else self.anchor
@@ -54,12 +61,17 @@ _REGISTRY: dict[str, PolicyLoss] = {}
 _plugins_loaded = False
 
 
-def register_policy_loss(name: str, *, anchor: Union[Anchor, Callable[[LossConfig], Anchor]]) -> Callable[[LossFn], LossFn]:
-    """Decorator: register `fn` under `name`. Registering a name twice raises ValueError."""
+def register_policy_loss(name: str, *, anchor: Union[Anchor, Callable[[LossConfig], Anchor]],
+                         anchor_key: Optional[str] = None) -> Callable[[LossFn], LossFn]:
+    """Decorator: register `fn` under `name`. Registering a name twice raises ValueError.
+
+    anchor: "old", "rollout", or a function of the config; anchor_key names the config key
+    such a function reads (e.g. "cispo.anchor"), so error messages can point at it.
+    """
     def decorate(fn: LossFn) -> LossFn:
         if name in _REGISTRY:
             raise ValueError(f"policy loss {name!r} is already registered (by {_REGISTRY[name].fn.__module__})")
-        _REGISTRY[name] = PolicyLoss(name=name, fn=fn, anchor=anchor)
+        _REGISTRY[name] = PolicyLoss(name=name, fn=fn, anchor=anchor, anchor_key=anchor_key)
         return fn
     return decorate
 
@@ -100,10 +112,39 @@ def get_policy_loss(name: str) -> PolicyLoss:
     return _REGISTRY[name]
 
 
-def input_reasons(cfg: LossConfig) -> dict[str, str]:
-    """Input name -> why this config needs it (for error messages)."""
+def check_loss_config(cfg: LossConfig) -> PolicyLoss:
+    """Every rule that needs the registry, so it also covers plugin losses: the loss exists, its
+    anchor is valid, and a loss anchored on pi_rollout is not stacked with TIS (the anchor already
+    divides by pi_rollout; TIS would divide by it again). Raises ValueError; returns the loss.
+
+    Cheap to call per microbatch: after the registry lookup, the rules run once per (config,
+    loss) pair and are cached (both are frozen and hashable). A failed check is not cached.
+    """
     spec = get_policy_loss(cfg.policy_loss)
+    _checked_anchor(cfg, spec)
+    return spec
+
+
+@functools.lru_cache(maxsize=64)
+def _checked_anchor(cfg: LossConfig, spec: PolicyLoss) -> Anchor:
     anchor = spec.anchor_for(cfg)
+    if anchor == "rollout" and cfg.tis.level is not None:
+        where = f"{spec.anchor_key}='rollout'" if spec.anchor_key else f"policy_loss={cfg.policy_loss!r}"
+        fix = f" or {spec.anchor_key} to 'old'" if spec.anchor_key else ""
+        raise ValueError(f"{where} cannot be combined with tis.level={cfg.tis.level!r}: the loss anchors on "
+                         f"rollout_logprobs, so TIS would double-count the off-policy correction; "
+                         f"set tis.level to None{fix}")
+    return anchor
+
+
+def input_reasons(cfg: LossConfig) -> dict[str, str]:
+    """Input name -> why this config needs it (for error messages); runs check_loss_config."""
+    return dict(_input_reasons(cfg, check_loss_config(cfg)))
+
+
+@functools.lru_cache(maxsize=64)
+def _input_reasons(cfg: LossConfig, spec: PolicyLoss) -> dict[str, str]:
+    anchor = _checked_anchor(cfg, spec)
     reasons = {f"{anchor}_logprobs": f"{cfg.policy_loss} with anchor={anchor!r}"}
     if cfg.tis.level is not None:
         for name in ("old_logprobs", "rollout_logprobs"):
@@ -123,12 +164,3 @@ def required_inputs(cfg: LossConfig) -> set[str]:
 
 def missing_input_message(cfg: LossConfig, name: str) -> str:
     return f"{input_reasons(cfg)[name]} needs {name} ({INPUT_DOCS[name]})"
-
-
-def check_loss_config(cfg: LossConfig) -> None:
-    """Checks that need the registry (so they also cover plugin losses): the loss exists, and
-    a loss anchored on pi_rollout is not stacked with TIS. Raises ValueError."""
-    anchor = get_policy_loss(cfg.policy_loss).anchor_for(cfg)
-    if anchor == "rollout" and cfg.tis.level is not None:
-        raise ValueError(f"policy_loss={cfg.policy_loss!r} anchors on rollout_logprobs and cannot be combined "
-                         f"with tis.level={cfg.tis.level!r}: it would double-count the off-policy correction")

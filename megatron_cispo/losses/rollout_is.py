@@ -9,7 +9,8 @@ from __future__ import annotations
 from torch import Tensor
 
 from ..config import LossConfig
-from .common import LossInputs, Metrics, log_ratio, ratio_metrics
+from .common import LossInputs, log_ratio, ratio_metrics
+from .metrics import Metrics
 from .registry import register_policy_loss
 
 

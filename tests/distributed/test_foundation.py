@@ -17,10 +17,10 @@ def lm_step_worker(tp, pp):
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    from megatron_cispo import runtime
-    from megatron_cispo.model import ModelConfig, build_model, build_optimizer, gather_full_state
+    from megatron_cispo.runner import distributed
+    from megatron_cispo.runner.model import ModelConfig, build_model, build_optimizer, gather_full_state
 
-    runtime.init_distributed(tp=tp, pp=pp)
+    distributed.init_distributed(tp=tp, pp=pp)
     cfg = ModelConfig(vocab_size=V, seq_length=S, hidden_size=32, num_layers=4, num_attention_heads=4)
     chunks = build_model(cfg, tp=tp, pp=pp, seed=7)
     opt = build_optimizer(chunks, lr=0.5, optimizer="sgd", clip_grad=0.0)
@@ -91,10 +91,10 @@ def test_layout_matches_single_process(reference, tp, pp, dp):
 
 
 def _initial_worker():
-    from megatron_cispo import runtime
-    from megatron_cispo.model import ModelConfig, build_model, gather_full_state
+    from megatron_cispo.runner import distributed
+    from megatron_cispo.runner.model import ModelConfig, build_model, gather_full_state
 
-    runtime.init_distributed(tp=1, pp=1)
+    distributed.init_distributed(tp=1, pp=1)
     cfg = ModelConfig(vocab_size=V, seq_length=S, hidden_size=32, num_layers=4, num_attention_heads=4)
     return gather_full_state(build_model(cfg, tp=1, pp=1, seed=7))
 

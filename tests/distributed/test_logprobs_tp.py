@@ -96,9 +96,9 @@ def _case(tp, group, rank, vocab, count):
 def _worker():
     import torch.distributed as dist
 
-    from megatron_cispo import runtime
+    from megatron_cispo.runner import distributed
 
-    env = runtime.init_distributed(tp=4)
+    env = distributed.init_distributed(tp=4)
     rank = env.rank
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     singles = [dist.new_group([r]) for r in range(4)]

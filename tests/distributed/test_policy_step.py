@@ -39,12 +39,12 @@ def make_batch():
 def policy_step_worker(tp, pp, vp=None, layers=4, cases=tuple(CASES), micro=2):
     from megatron.core import parallel_state as mpu
 
-    from megatron_cispo import runtime
+    from megatron_cispo.runner import distributed
     from megatron_cispo.config import LossConfig, from_dict
-    from megatron_cispo.model import ModelConfig, build_model, build_optimizer, gather_full_state
-    from megatron_cispo.policy_step import Rollouts, StepConfig, compute_logprobs, policy_step
+    from megatron_cispo.runner.model import ModelConfig, build_model, build_optimizer, gather_full_state
+    from megatron_cispo.step import Rollouts, StepConfig, compute_logprobs, policy_step
 
-    runtime.init_distributed(tp=tp, pp=pp, vp=vp)
+    distributed.init_distributed(tp=tp, pp=pp, vp=vp)
     mcfg = ModelConfig(vocab_size=V, seq_length=S, hidden_size=32, num_layers=layers, num_attention_heads=4)
     tokens, loss_mask, adv, noise = make_batch()
     dp_rank, dp = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
@@ -113,10 +113,10 @@ def test_update_moves_weights_and_drops_nonfinite(reference):
 
 
 def _initial_state_worker():
-    from megatron_cispo import runtime
-    from megatron_cispo.model import ModelConfig, build_model, gather_full_state
+    from megatron_cispo.runner import distributed
+    from megatron_cispo.runner.model import ModelConfig, build_model, gather_full_state
 
-    runtime.init_distributed()
+    distributed.init_distributed()
     mcfg = ModelConfig(vocab_size=V, seq_length=S, hidden_size=32, num_layers=4, num_attention_heads=4)
     return gather_full_state(build_model(mcfg, tp=1, pp=1, seed=3))
 
@@ -151,12 +151,12 @@ def test_forward_passes_follow_the_anchor(reference):
 
 
 def missing_rollout_worker():
-    from megatron_cispo import runtime
+    from megatron_cispo.runner import distributed
     from megatron_cispo.config import LossConfig, from_dict
-    from megatron_cispo.model import ModelConfig, build_model, build_optimizer
-    from megatron_cispo.policy_step import Rollouts, StepConfig, policy_step
+    from megatron_cispo.runner.model import ModelConfig, build_model, build_optimizer
+    from megatron_cispo.step import Rollouts, StepConfig, policy_step
 
-    runtime.init_distributed(pp=2, timeout_s=120)
+    distributed.init_distributed(pp=2, timeout_s=120)
     mcfg = ModelConfig(vocab_size=V, seq_length=S, hidden_size=32, num_layers=2, num_attention_heads=4)
     chunks = build_model(mcfg, tp=1, pp=2, seed=3)
     tokens, loss_mask, adv, _ = make_batch()

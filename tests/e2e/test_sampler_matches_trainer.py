@@ -10,13 +10,13 @@ from megatron_cispo.testing import spawn
 
 
 def sampler_vs_trainer_worker(tp, pp, temperature):
-    from megatron_cispo import runtime
+    from megatron_cispo.runner import distributed
     from megatron_cispo.config import LossConfig
     from megatron_cispo.demo.gpt import TorchGPT
-    from megatron_cispo.model import ModelConfig, build_model, build_optimizer, gather_full_state
-    from megatron_cispo.policy_step import Rollouts, StepConfig, compute_logprobs, policy_step
+    from megatron_cispo.runner.model import ModelConfig, build_model, build_optimizer, gather_full_state
+    from megatron_cispo.step import Rollouts, StepConfig, compute_logprobs, policy_step
 
-    runtime.init_distributed(tp=tp, pp=pp)
+    distributed.init_distributed(tp=tp, pp=pp)
     cfg = ModelConfig(vocab_size=16, seq_length=12, hidden_size=32, num_layers=2, num_attention_heads=4)
     chunks = build_model(cfg, tp=tp, pp=pp, seed=5)
     opt = build_optimizer(chunks, lr=1e-2, clip_grad=0.0)

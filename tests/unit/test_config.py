@@ -50,10 +50,6 @@ def test_defaults_are_scalerl_cispo_zero_to_five():
      "LossConfig.max_len must be > 0 when loss_agg='seq_mean_token_sum_norm', got None"),
     (lambda: LossConfig(entropy_coef=float("nan")), "LossConfig.entropy_coef must be finite, got nan"),
     (lambda: LossConfig(policy_loss=""), "LossConfig.policy_loss must be a registered loss name, got ''"),
-    (lambda: LossConfig(cispo=CispoConfig(anchor="rollout"), tis=TISConfig(level="token")),
-     "cispo.anchor='rollout' cannot be combined with tis.level='token': it would double-count"),
-    (lambda: LossConfig(policy_loss="rollout_is", tis=TISConfig(level="sequence")),
-     "policy_loss='rollout_is' cannot be combined with tis.level='sequence': it would double-count"),
 ])
 def test_bad_config_is_rejected_naming_field_and_value(make, message):
     with pytest.raises(ValueError, match=message):

@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from megatron_cispo.config import ConfigError
-from megatron_cispo.experiment import ExperimentConfig, OptimizerConfig, interpolate_env, load_experiment, \
+from megatron_cispo.runner.experiment import ExperimentConfig, OptimizerConfig, interpolate_env, load_experiment, \
     resolve_world
 from megatron_cispo.train import EXIT_CONFIG, main
 
@@ -168,7 +168,7 @@ def test_run_label_names_the_anchor_the_loss_really_uses(overrides, label):
 
 def test_report_labels_a_run_from_its_saved_config_like_the_run_does(tmp_path):
     from megatron_cispo.demo.report import summarize
-    from megatron_cispo.experiment import dump_yaml
+    from megatron_cispo.runner.experiment import dump_yaml
 
     cfg = load_experiment(DEMO, ["loss.policy_loss=ppo", "loss.cispo.anchor=rollout"])
     (tmp_path / "config.yaml").write_text(dump_yaml(cfg))

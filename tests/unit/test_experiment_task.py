@@ -4,8 +4,8 @@ import torch
 
 from megatron_cispo.demo.sampler import Sampler
 from megatron_cispo.demo.task import Task, group_advantages
-from megatron_cispo.experiment import RolloutConfig
-from megatron_cispo.model import ModelConfig
+from megatron_cispo.runner.experiment import RolloutConfig
+from megatron_cispo.runner.model import ModelConfig
 
 
 def _task(**kw):

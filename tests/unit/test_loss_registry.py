@@ -1,4 +1,5 @@
 """Registry, entry-point plugins, required_inputs and call-time input validation of the losses."""
+import dataclasses
 import importlib.metadata
 import sys
 import types
@@ -10,6 +11,7 @@ from megatron_cispo.config import CispoConfig, KLConfig, LossConfig, TISConfig
 from megatron_cispo.losses import (
     PolicyLossPluginError,
     available_policy_losses,
+    check_loss_config,
     compute_policy_loss,
     get_policy_loss,
     register_policy_loss,
@@ -145,5 +147,38 @@ def test_shape_mismatch_names_both_shapes(kwargs, message):
 def test_plugin_with_rollout_anchor_cannot_stack_tis(clean_registry):
     register_policy_loss("rollout_pg", anchor="rollout")(lambda cfg, x: (x.logprobs, None))
     cfg = LossConfig(policy_loss="rollout_pg", tis=TISConfig(level="token"))
-    with pytest.raises(ValueError, match="anchors on rollout_logprobs.*tis.level='token'.*double-count"):
+    with pytest.raises(ValueError, match="policy_loss='rollout_pg' cannot be combined with tis.level='token': "
+                                         "the loss anchors on rollout_logprobs, so TIS would double-count"):
         compute_policy_loss(cfg, logprobs=LP, advantages=ADV, loss_mask=MASK, old_logprobs=LP, rollout_logprobs=LP)
+
+
+# The rule lives in losses.check_loss_config only: config.py checks its own fields, the step,
+# the runner and the Megatron-LM drop-in all call the registry's check.
+@pytest.mark.parametrize("cfg, message", [
+    (LossConfig(cispo=CispoConfig(anchor="rollout"), tis=TISConfig(level="token")),
+     "cispo.anchor='rollout' cannot be combined with tis.level='token': the loss anchors on rollout_logprobs, "
+     "so TIS would double-count the off-policy correction; set tis.level to None or cispo.anchor to 'old'"),
+    (LossConfig(policy_loss="rollout_is", tis=TISConfig(level="sequence")),
+     "policy_loss='rollout_is' cannot be combined with tis.level='sequence': the loss anchors on "
+     "rollout_logprobs, so TIS would double-count the off-policy correction; set tis.level to None$"),
+])
+def test_rollout_anchor_with_tis_is_refused_by_the_registry_check(cfg, message):
+    with pytest.raises(ValueError, match=message):
+        check_loss_config(cfg)
+    with pytest.raises(ValueError, match=message):
+        compute_policy_loss(cfg, LP, advantages=ADV, loss_mask=MASK, old_logprobs=LP, rollout_logprobs=LP)
+
+
+def test_registry_check_runs_once_per_config_not_per_microbatch(monkeypatch):
+    cfg = LossConfig(cispo=CispoConfig(anchor="rollout", eps_high=3.25))  # a config no other test uses
+    calls = []
+    real = registry.PolicyLoss.anchor_for
+    monkeypatch.setattr(registry.PolicyLoss, "anchor_for", lambda self, c: calls.append(c) or real(self, c))
+    registry._checked_anchor.cache_clear()
+    for _ in range(3):
+        check_loss_config(cfg)
+    assert len(calls) == 1
+    with pytest.raises(ValueError):  # a failing check is not cached: it fails every time
+        check_loss_config(dataclasses.replace(cfg, tis=TISConfig(level="token")))
+    with pytest.raises(ValueError):
+        check_loss_config(dataclasses.replace(cfg, tis=TISConfig(level="token")))

@@ -21,7 +21,17 @@ def leaf(t):
 
 def run(cfg, lp, adv, mask=None, **kw):
     mask = torch.ones_like(lp) if mask is None else mask
-    return compute_policy_loss(cfg, logprobs=lp, advantages=adv, loss_mask=mask, **kw)
+    return compute_policy_loss(cfg, lp, advantages=adv, loss_mask=mask, **kw)
+
+
+def test_logprobs_may_be_passed_by_position_or_by_name():
+    by_position = compute_policy_loss(LossConfig(), NEW, advantages=ADV, loss_mask=torch.ones_like(NEW),
+                                      old_logprobs=OLD)
+    by_name = compute_policy_loss(LossConfig(), logprobs=NEW, advantages=ADV, loss_mask=torch.ones_like(NEW),
+                                  old_logprobs=OLD)
+    assert by_position.loss.item() == by_name.loss.item() != 0.0
+    with pytest.raises(TypeError):  # everything after logprobs stays keyword-only
+        compute_policy_loss(LossConfig(), NEW, ADV, torch.ones_like(NEW))
 
 
 # ratios pi / pi_old = 2, 0.5, 8, 1
@@ -37,7 +47,7 @@ def test_cispo_default_value_is_clamped_weight_times_advantage_times_logprob():
     assert out.loss.item() == pytest.approx(hand, rel=1e-6)
     assert out.denominator.item() == 4.0 and out.denominator.dtype == torch.float32
     assert not out.denominator.requires_grad
-    m = out.metrics
+    m = out.metrics.values()
     assert m["cispo/ratio_mean"].item() == pytest.approx((2 + 0.5 + 8 + 1) / 4, rel=1e-6)
     assert m["cispo/weight_mean"].item() == pytest.approx((2 + 0.5 + 5 + 1) / 4, rel=1e-6)
     assert m["cispo/clip_frac_high"].item() == 0.25
@@ -63,7 +73,7 @@ def test_cispo_token_mask_zeroes_ppo_clipped_tokens_but_keeps_them_in_denominato
     lp = leaf(probs(0.2, 0.2, 0.2, 0.2))
     out = run(LossConfig(cispo=CispoConfig(token_mask=True)), lp, adv, old_logprobs=old)
     assert out.loss.item() == pytest.approx(-(0.5 * 1 * LN(0.2) + 2 * -1 * LN(0.2)) / 4, rel=1e-6)
-    assert out.metrics["cispo/masked_frac"].item() == 0.5
+    assert out.metrics.values()["cispo/masked_frac"].item() == 0.5
     out.loss.backward()
     assert torch.allclose(lp.grad, torch.tensor([[0.0, -0.5 / 4, 0.0, 2.0 / 4]]), rtol=1e-6, atol=0)
 
@@ -75,8 +85,8 @@ def test_ppo_clipped_surrogate_hand_values_and_zero_grad_on_clipped_tokens():
     assert out.loss.item() == pytest.approx((-1.2 + 0.8 - 2.4 - 0.5) / 4, rel=1e-6)
     out.loss.backward()
     assert torch.allclose(lp.grad, torch.tensor([[0.0, 0.0, 0.0, -0.5 / 4]]), atol=1e-7, rtol=0)
-    assert out.metrics["ppo/masked_frac"].item() == 0.75
-    assert out.metrics["ppo/clip_frac_high"].item() == 0.5 and out.metrics["ppo/clip_frac_low"].item() == 0.25
+    assert out.metrics.values()["ppo/masked_frac"].item() == 0.75
+    assert out.metrics.values()["ppo/clip_frac_high"].item() == 0.5 and out.metrics.values()["ppo/clip_frac_low"].item() == 0.25
 
 
 def test_ppo_dual_clip_bounds_negative_advantage_loss_by_c_times_minus_a():
@@ -84,7 +94,7 @@ def test_ppo_dual_clip_bounds_negative_advantage_loss_by_c_times_minus_a():
     lp = leaf(probs(0.4, 0.15))  # r = 8 -> loss 8 > 3 is dual-clipped; r = 1.5 -> loss 1.5 stays
     out = run(LossConfig(policy_loss="ppo", ppo=PPOConfig(dual_clip=3.0)), lp, adv, old_logprobs=old)
     assert out.loss.item() == pytest.approx((3.0 + 1.5) / 2, rel=1e-6)
-    assert out.metrics["ppo/dual_clip_frac"].item() == 0.5
+    assert out.metrics.values()["ppo/dual_clip_frac"].item() == 0.5
     out.loss.backward()
     assert lp.grad[0, 0].item() == 0.0 and lp.grad[0, 1].item() == pytest.approx(1.5 / 2, rel=1e-6)
 
@@ -94,7 +104,7 @@ def test_rollout_is_zeroes_out_of_band_tokens_with_raw_ratio_weight_in_band():
     lp = leaf(probs(0.2, 0.2, 0.5, 0.5))  # r = 2, 0.5, 1.25, 1 ; band [0.8, 1.28]
     out = run(LossConfig(policy_loss="rollout_is"), lp, ADV, rollout_logprobs=rollout)
     assert out.loss.item() == pytest.approx(-(1.25 * 2 * LN(0.5) + 1 * 0.5 * LN(0.5)) / 4, rel=1e-6)
-    assert out.metrics["rollout_is/masked_frac"].item() == 0.5
+    assert out.metrics.values()["rollout_is/masked_frac"].item() == 0.5
     out.loss.backward()
     r = torch.exp(lp.detach() - rollout)
     keep = torch.tensor([[0.0, 0.0, 1.0, 1.0]])
@@ -108,14 +118,14 @@ def test_async_old_anchor_weights_are_exactly_one_and_rollout_anchor_clamps():
     old_out = run(LossConfig(), lp, adv, old_logprobs=lp.detach(), rollout_logprobs=stale)
     old_out.loss.backward()
     assert torch.equal(lp.grad, -adv / 4)  # every weight exactly 1
-    assert old_out.metrics["cispo/clip_frac_high"].item() == 0 and old_out.metrics["cispo/clip_frac_low"].item() == 0
-    assert old_out.metrics["cispo/ratio_min"].item() == 1.0 == old_out.metrics["cispo/ratio_max"].item()
-    assert old_out.metrics["mismatch/abs_logprob_diff_mean"].item() > 0
+    assert old_out.metrics.values()["cispo/clip_frac_high"].item() == 0 and old_out.metrics.values()["cispo/clip_frac_low"].item() == 0
+    assert old_out.metrics.values()["cispo/ratio_min"].item() == 1.0 == old_out.metrics.values()["cispo/ratio_max"].item()
+    assert old_out.metrics.values()["mismatch/abs_logprob_diff_mean"].item() > 0
 
     lp.grad = None
     roll_out = run(LossConfig(cispo=CispoConfig(anchor="rollout")), lp, adv, rollout_logprobs=stale)
     roll_out.loss.backward()
-    assert roll_out.metrics["cispo/clip_frac_high"].item() == 0.5
+    assert roll_out.metrics.values()["cispo/clip_frac_high"].item() == 0.5
     assert torch.allclose(lp.grad, -torch.tensor([[5.0, 1.0, 1.5, 5.0]]) * adv / 4, rtol=1e-6, atol=0)
 
 
@@ -185,8 +195,8 @@ def test_zero_valid_tokens_give_zero_loss_and_zero_grad():
     out.loss.backward()
     assert out.loss.item() == 0.0 and out.denominator.item() == 0.0
     assert torch.equal(lp.grad, torch.zeros_like(lp))
-    assert out.metrics_min["cispo/ratio_min"].item() == math.inf
-    assert out.metrics_max["cispo/ratio_max"].item() == -math.inf
+    assert out.metrics.mins["cispo/ratio_min"].item() == math.inf
+    assert out.metrics.maxs["cispo/ratio_max"].item() == -math.inf
 
 
 # ---------------------------------------------------------------- numerics, TIS, KL, entropy
@@ -201,9 +211,9 @@ def test_minus_inf_rollout_logprob_drops_token_counted_and_no_nan_anywhere():
     cfg = LossConfig(cispo=CispoConfig(anchor="rollout"))
     out = run(cfg, lp, ADV, rollout_logprobs=rollout, old_logprobs=garbage)
     out.loss.backward()
-    assert out.metrics["policy/nonfinite_dropped"].item() == 1 and out.denominator.item() == 3
+    assert out.metrics.values()["policy/nonfinite_dropped"].item() == 1 and out.denominator.item() == 3
     assert torch.isfinite(out.loss) and torch.isfinite(lp.grad).all() and lp.grad[0, 1].item() == 0.0
-    assert all(torch.isfinite(v) for v in out.metrics.values())
+    assert all(torch.isfinite(v) for v in out.metrics.values().values())
     hand = -(2 * 1 * LN(0.2) + 5 * 2 * LN(0.4) + 1 * 0.5 * LN(0.5)) / 3
     assert out.loss.item() == pytest.approx(hand, rel=1e-6)
 
@@ -221,7 +231,7 @@ def test_garbage_at_padded_positions_never_reaches_loss_or_grad():
         out.loss.backward()
         assert torch.isfinite(out.loss) and torch.isfinite(lp.grad).all(), name
         assert lp.grad[:, 1].abs().sum().item() == 0.0 and out.denominator.item() == 2
-        assert out.metrics["policy/nonfinite_dropped"].item() == 0  # padding is not "dropped"
+        assert out.metrics.values()["policy/nonfinite_dropped"].item() == 0  # padding is not "dropped"
 
 
 def test_extreme_log_ratio_is_clamped_so_ppo_ratio_and_grad_stay_finite():
@@ -230,7 +240,7 @@ def test_extreme_log_ratio_is_clamped_so_ppo_ratio_and_grad_stay_finite():
     out = run(LossConfig(policy_loss="ppo", ppo=PPOConfig(eps_high=1e12)), lp, torch.tensor([[1.0, 1.0]]),
               old_logprobs=old)
     out.loss.backward()
-    assert out.metrics["ppo/ratio_max"].item() == pytest.approx(math.exp(20.0), rel=1e-6)
+    assert out.metrics.values()["ppo/ratio_max"].item() == pytest.approx(math.exp(20.0), rel=1e-6)
     assert torch.isfinite(out.loss) and torch.isfinite(lp.grad).all()
 
 
@@ -239,8 +249,8 @@ def test_token_tis_caps_old_over_rollout_weight_and_multiplies_the_loss():
     old, rollout = probs(0.2, 0.2), probs(0.2 / 3, 0.4)  # pi_old / pi_rollout = 3 -> capped 2, and 0.5
     out = run(LossConfig(tis=TISConfig(level="token", cap=2.0)), lp, adv, old_logprobs=old, rollout_logprobs=rollout)
     assert out.loss.item() == pytest.approx(-(2.0 + 0.5) * LN(0.2) / 2, rel=1e-6)
-    assert out.metrics["tis/capped_frac"].item() == 0.5
-    assert out.metrics["tis/weight_mean"].item() == pytest.approx(1.25, rel=1e-6)
+    assert out.metrics.values()["tis/capped_frac"].item() == 0.5
+    assert out.metrics.values()["tis/weight_mean"].item() == pytest.approx(1.25, rel=1e-6)
 
 
 def test_sequence_tis_uses_product_of_token_ratios_per_sequence():
@@ -251,7 +261,7 @@ def test_sequence_tis_uses_product_of_token_ratios_per_sequence():
     out = run(LossConfig(tis=TISConfig(level="sequence", cap=4.0)), lp, adv, old_logprobs=old,
               rollout_logprobs=rollout)
     assert out.loss.item() == pytest.approx(-(0.75 * 2 + 4.0 * 2) * LN(0.2) / 4, rel=1e-6)
-    assert out.metrics["tis/capped_frac"].item() == 0.5
+    assert out.metrics.values()["tis/capped_frac"].item() == 0.5
 
 
 @pytest.mark.parametrize("estimator,per_token", [
@@ -263,19 +273,19 @@ def test_kl_penalty_estimators_hand_values_and_entropy_bonus(estimator, per_toke
     cfg = LossConfig(kl=KLConfig(coef=0.1, estimator=estimator), entropy_coef=0.01)
     out = run(cfg, lp, adv, old_logprobs=lp.detach(), ref_logprobs=ref, entropy=ent)
     kl = [per_token(LN(0.5)), per_token(LN(3.0))]  # d = log(pi_ref / pi)
-    assert out.metrics["policy/kl"].item() == pytest.approx(sum(kl) / 2, rel=1e-5)
-    assert out.metrics["policy/entropy"].item() == 2.0
+    assert out.metrics.values()["policy/kl"].item() == pytest.approx(sum(kl) / 2, rel=1e-5)
+    assert out.metrics.values()["policy/entropy"].item() == 2.0
     assert out.loss.item() == pytest.approx((0.1 * sum(kl) - 0.01 * 4.0) / 2, rel=1e-5)
 
 
 def test_metric_parts_reduce_to_the_local_values():
     out = run(LossConfig(), leaf(NEW), ADV, old_logprobs=OLD, rollout_logprobs=OLD - 0.1)
-    for key, (s, c) in out.metrics_sum.items():
+    for key, (s, c) in out.metrics.sums.items():
         assert not s.requires_grad and s.dtype == torch.float32
-        assert out.metrics[key].item() == pytest.approx((s / c.clamp(min=1)).item())
-    assert set(out.metrics_min) == {"cispo/ratio_min"} and set(out.metrics_max) == {"cispo/ratio_max"}
-    assert out.metrics["mismatch/abs_logprob_diff_mean"].item() == pytest.approx(0.1, rel=1e-5)
-    assert out.metrics["mismatch/k3_kl"].item() == pytest.approx(math.exp(0.1) - 0.1 - 1, rel=1e-3)
+        assert out.metrics.values()[key].item() == pytest.approx((s / c.clamp(min=1)).item())
+    assert set(out.metrics.mins) == {"cispo/ratio_min"} and set(out.metrics.maxs) == {"cispo/ratio_max"}
+    assert out.metrics.values()["mismatch/abs_logprob_diff_mean"].item() == pytest.approx(0.1, rel=1e-5)
+    assert out.metrics.values()["mismatch/k3_kl"].item() == pytest.approx(math.exp(0.1) - 0.1 - 1, rel=1e-3)
 
 
 def test_advantages_per_sequence_broadcast_like_per_token():

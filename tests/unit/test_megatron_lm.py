@@ -237,4 +237,4 @@ def test_dropin_does_not_mask_a_nonfinite_current_logprob_like_compute_policy_lo
     assert not finite[0, 1] and finite.sum() == B * S - 1
     want = compute_policy_loss(LossConfig(policy_loss="cispo"), logprobs=cur.detach(), advantages=x["advantages"],
                                loss_mask=torch.ones(B, S, dtype=torch.bool), old_logprobs=x["old_logprobs"])
-    assert want.metrics["policy/nonfinite_dropped"] == 0 and not torch.isfinite(want.loss)
+    assert want.metrics.values()["policy/nonfinite_dropped"] == 0 and not torch.isfinite(want.loss)

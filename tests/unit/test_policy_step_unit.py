@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from megatron_cispo.config import LossConfig, from_dict
-from megatron_cispo.policy_step import Rollouts, StepConfig, check_megatron_config, plan_old_logprobs
-from megatron_cispo.reduce import merge_reports, reduce_reports
+from megatron_cispo.step import Rollouts, StepConfig, check_megatron_config, plan_old_logprobs
+from megatron_cispo.losses import Metrics
+from megatron_cispo.step import reduce_metrics
 
 
 def cfg(**over):
@@ -86,17 +87,19 @@ def test_step_config_validation(kw, msg):
         StepConfig(**kw)
 
 
-def test_reports_sum_means_and_keep_min_max_exact():
-    a = {"sum": {"r": torch.tensor([3.0, 2.0])}, "min": {"r_min": torch.tensor(0.5)},
-         "max": {"r_max": torch.tensor(2.0)}, "total": {"tokens": torch.tensor(2.0)}}
-    b = {"sum": {"r": torch.tensor([1.0, 1.0])}, "min": {"r_min": torch.tensor(0.25)},
-         "max": {"r_max": torch.tensor(1.5)}, "total": {"tokens": torch.tensor(2.0)}}
-    merged = merge_reports([a, b])
-    assert merged["sum"]["r"].tolist() == [4.0, 3.0]
-    out = reduce_reports([a, b])
+def _metrics(s, c, lo, hi, tokens) -> Metrics:
+    return Metrics(sums={"r": (torch.tensor(s), torch.tensor(c))}, mins={"r_min": torch.tensor(lo)},
+                   maxs={"r_max": torch.tensor(hi)}, totals={"tokens": torch.tensor(tokens)})
+
+
+def test_microbatch_metrics_sum_means_and_keep_min_max_exact():
+    a, b = _metrics(3.0, 2.0, 0.5, 2.0, 2.0), _metrics(1.0, 1.0, 0.25, 1.5, 2.0)
+    merged = Metrics.merge([a, b])
+    assert [merged.sums["r"][0].item(), merged.sums["r"][1].item()] == [4.0, 3.0]
+    out = reduce_metrics([a, b])
     # the mean of means would be (1.5 + 1.0) / 2 = 1.25; the exact token mean is 4 / 3
     assert out == {"r": pytest.approx(4 / 3, abs=1e-12), "r_min": 0.25, "r_max": 2.0, "tokens": 4.0}
-    assert a["sum"]["r"].tolist() == [3.0, 2.0]  # inputs untouched
+    assert a.sums["r"][0].item() == 3.0 and a.totals["tokens"].item() == 2.0  # inputs untouched
 
 
 def test_loss_config_sections_must_be_section_dataclasses():
@@ -114,6 +117,6 @@ def test_registry_check_rejects_a_plugin_loss_anchored_on_rollout_with_tis(monke
         raise AssertionError
 
     cfg = from_dict(LossConfig, {"policy_loss": "test_rollout_plugin", "tis": {"level": "token"}})
-    with pytest.raises(ValueError, match="anchors on rollout_logprobs and cannot be combined with tis.level"):
+    with pytest.raises(ValueError, match="policy_loss='test_rollout_plugin' cannot be combined with tis.level='token': the loss anchors on rollout_logprobs"):
         check_loss_config(cfg)
     check_loss_config(from_dict(LossConfig, {"policy_loss": "test_rollout_plugin"}))

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from megatron_cispo.runtime import CpuCompat, optional_backends
+from megatron_cispo.runner.cpu_compat import CpuCompat
+from megatron_cispo.runner.distributed import optional_backends
 
 
 def test_compat_redirects_cuda_factories_only_while_entered():
@@ -72,11 +73,11 @@ def test_grad_clipping_is_cpu_safe():
 
 
 def test_init_distributed_rejects_a_layout_the_world_cannot_hold(monkeypatch):
-    from megatron_cispo import runtime
+    from megatron_cispo.runner import distributed
 
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ValueError, match=r"world size 3 is not divisible by tp\*pp\*cp = 2\*1\*1"):
-        runtime.init_distributed(tp=2)
+        distributed.init_distributed(tp=2)
 
 
 def test_optional_backends_are_detected_without_raising():
@@ -86,8 +87,8 @@ def test_optional_backends_are_detected_without_raising():
 
 
 def test_init_distributed_refuses_interleaving_over_two_gloo_stages(monkeypatch):
-    from megatron_cispo import runtime
+    from megatron_cispo.runner import distributed
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match=r"vp=2 with pp=2 is not supported over gloo"):
-        runtime.init_distributed(pp=2, vp=2)
+        distributed.init_distributed(pp=2, vp=2)

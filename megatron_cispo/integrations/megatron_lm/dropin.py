@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ...config import KLConfig, LossConfig, TISConfig
-from ...losses import get_policy_loss, kl_estimate, log_ratio, per_token_policy_loss
+from ...losses import check_loss_config, get_policy_loss, kl_estimate, log_ratio, per_token_policy_loss
 from .settings import loss_config
 
 
@@ -94,24 +94,29 @@ def calculate_grpo_loss(
         if t is not None and tuple(t.shape) != shape:
             raise ValueError(f"calculate_grpo_loss: {name} shape {tuple(t.shape)} does not match "
                              f"current_logprobs shape {shape}")
-    if anchor == "rollout":
-        if inference_logprobs is None:
-            raise ValueError(f"policy_loss={base.policy_loss!r} with anchor='rollout' needs the sampler's "
-                             "logprobs, but inference_logprobs is None; pass --rl-inference-logprobs-is-correction "
-                             "so that train_rl.py hands them to the loss")
-        if is_truncation_coef is not None:
-            raise ValueError(f"policy_loss={base.policy_loss!r} with anchor='rollout' cannot be combined with "
-                             f"--rl-importance-sampling-truncation-coef={is_truncation_coef!r}: the rollout "
-                             "anchor already corrects for the sampler; TIS would double-count it. Drop the flag")
-    use_is = anchor == "old" and inference_logprobs is not None
-    tis_cap = (float("inf") if is_truncation_coef is None else float(is_truncation_coef)) if use_is else None
+    if anchor == "rollout" and inference_logprobs is None:
+        raise ValueError(f"policy_loss={base.policy_loss!r} with anchor='rollout' needs the sampler's "
+                         "logprobs, but inference_logprobs is None; pass --rl-inference-logprobs-is-correction "
+                         "so that train_rl.py hands them to the loss")
+    # As in Megatron-LM: the sampler's logprobs turn on IS (token TIS) under the old anchor; under the
+    # rollout anchor only an explicit truncation coef asks for TIS, and the registry refuses that.
+    tis_cap = None
+    if inference_logprobs is not None and (anchor == "old" or is_truncation_coef is not None):
+        tis_cap = float("inf") if is_truncation_coef is None else float(is_truncation_coef)
     cfg = effective_config(base, clamp_eps_lower, clamp_eps_upper, kl_beta, entropy_weight, tis_cap)
+    try:
+        check_loss_config(cfg)
+    except ValueError as e:
+        if tis_cap is None:
+            raise
+        raise ValueError(f"calculate_grpo_loss: --rl-importance-sampling-truncation-coef={is_truncation_coef!r} "
+                         f"turns on token TIS, but {e}. Drop the flag") from None
 
     lp = current_logprobs.float()
     entropy = -lp.exp() * lp  # Megatron-LM's term: -p log p of the sampled token
     # Every position is "trained": loss_func applies Megatron's own loss mask afterwards.
     loss, valid, _ = per_token_policy_loss(
-        cfg, logprobs=lp, advantages=token_advantages(advantages, lp, seq_starts, seq_lengths),
+        cfg, lp, advantages=token_advantages(advantages, lp, seq_starts, seq_lengths),
         loss_mask=torch.ones_like(lp, dtype=torch.bool), old_logprobs=old_logprobs,
         rollout_logprobs=inference_logprobs, ref_logprobs=ref_logprobs, entropy=entropy)
 

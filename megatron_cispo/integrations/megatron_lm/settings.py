@@ -11,6 +11,7 @@ import sys
 from typing import Any, Callable, Optional
 
 from ...config import ConfigError, LossConfig, describe_fields, from_dict
+from ...losses import check_loss_config
 
 # flag -> LossConfig key. KL, entropy, TIS and the PPO clip are not here on purpose: Megatron's
 # --grpo-kl-beta, --grpo-entropy-term-weight, --rl-importance-sampling-truncation-coef and
@@ -102,6 +103,10 @@ def check_dropin_config(cfg: LossConfig) -> LossConfig:
         problems.append(f"entropy_coef={cfg.entropy_coef!r}: use Megatron's --grpo-entropy-term-weight")
     if problems:
         raise ConfigError("LossConfig not usable with Megatron-LM's calculate_grpo_loss: " + "; ".join(problems))
+    try:
+        check_loss_config(cfg)  # the registry's rules: the loss exists and its anchor is valid
+    except ValueError as e:
+        raise ConfigError(f"LossConfig not usable with Megatron-LM's calculate_grpo_loss: {e}") from None
     return cfg
 
 

@@ -1,12 +1,14 @@
 """Sharded per-rank checkpoints with atomic writes, and finding the last complete one.
 
     run_dir/checkpoints/step_000010/rank_00003.pt   # this rank's model chunks, optimizer, RNG
-    run_dir/checkpoints/step_000010/sampler.pt      # the sampler's version queue (rank 0)
+    run_dir/checkpoints/step_000010/sampler.pt      # each object in `shared`, by name (rank 0)
     run_dir/checkpoints/step_000010/COMPLETE        # written by rank 0 after every rank saved
 
 Each file is written to a temporary name and renamed into place (atomic on POSIX), so a crash
 never leaves a half-written file under a final name; a step directory without COMPLETE is
 ignored on resume. Resuming needs the same (tp, pp, vp) and world size as the run that saved.
+`shared` maps a name to any object with state_dict()/load_state_dict() that is the same on
+every rank (the demo's sampler); this module imports none of their types.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ def last_complete(run_dir: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
-def save(run_dir, step: int, *, chunks, optimizer, sampler, layout: dict, keep: int) -> Path:
+def save(run_dir, step: int, *, chunks, optimizer, shared: dict, layout: dict, keep: int) -> Path:
     """Collective: every rank writes its shard, then rank 0 marks the step complete and prunes."""
     rank = dist.get_rank()
     path = step_dir(run_dir, step)
@@ -47,7 +49,8 @@ def save(run_dir, step: int, *, chunks, optimizer, sampler, layout: dict, keep: 
     _atomic_save({"step": step, "chunks": [c.state_dict() for c in chunks], "optimizer": optimizer.state_dict(),
                   "rng": torch.get_rng_state()}, path / f"rank_{rank:05d}.pt")
     if rank == 0:
-        _atomic_save(sampler.state_dict(), path / "sampler.pt")
+        for name, obj in shared.items():
+            _atomic_save(obj.state_dict(), path / f"{name}.pt")
     dist.barrier()
     if rank == 0:
         tmp = path / f".{MARKER}.tmp"
@@ -60,8 +63,9 @@ def save(run_dir, step: int, *, chunks, optimizer, sampler, layout: dict, keep: 
     return path
 
 
-def load(path: Path, *, chunks, optimizer, sampler, layout: dict) -> int:
-    """Restore this rank's shard and the sampler queue from complete checkpoint `path`; returns its step."""
+def load(path: Path, *, chunks, optimizer, shared: dict, layout: dict) -> int:
+    """Restore this rank's shard and every object in `shared` from complete checkpoint `path`;
+    returns its step."""
     saved = json.loads((path / MARKER).read_text())
     mismatch = {k: (saved.get(k), v) for k, v in layout.items() if saved.get(k) != v}
     if mismatch:
@@ -73,5 +77,6 @@ def load(path: Path, *, chunks, optimizer, sampler, layout: dict) -> int:
         chunk.load_state_dict(sd)
     optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"])
-    sampler.load_state_dict(torch.load(path / "sampler.pt", map_location="cpu", weights_only=False))
+    for name, obj in shared.items():
+        obj.load_state_dict(torch.load(path / f"{name}.pt", map_location="cpu", weights_only=False))
     return int(state["step"])

@@ -1,109 +1,20 @@
-"""Process groups, megatron parallel state, and the CPU compatibility layer.
+"""Process groups and megatron parallel state for our runner, demo and tests.
 
 `init_distributed(tp=, pp=, ...)` reads torchrun's environment, picks NCCL on CUDA and
 gloo otherwise, builds megatron-core's parallel state, and (on CPU only) enters
-`CpuCompat`, the scoped layer that lets megatron-core 0.16.1 run over gloo.
-`shutdown()` undoes all of it.
+`CpuCompat` (cpu_compat.py). `shutdown()` undoes all of it. Library code never calls these:
+a Megatron training loop brings its own process groups.
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
 
-
-def _is_accel(device) -> bool:
-    """True for a device argument that names CUDA: "cuda", "cuda:0", torch.device, or an int."""
-    if device is None or isinstance(device, bool):
-        return False
-    if isinstance(device, int):
-        return True  # a bare int is a CUDA ordinal in torch's factories
-    return torch.device(device).type == "cuda"
-
-
-class _RedirectCudaDevice(TorchFunctionMode):
-    """Rewrites `device=` keyword arguments naming CUDA to CPU, and `.cuda()` to a no-op."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if _is_accel(kwargs.get("device")):
-            kwargs = {**kwargs, "device": "cpu"}
-        if kwargs.get("pin_memory"):
-            kwargs = {**kwargs, "pin_memory": False}
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.to and len(args) > 1 and isinstance(args[1], (str, int, torch.device)) \
-                and _is_accel(args[1]):
-            args = (args[0], "cpu", *args[2:])
-        return func(*args, **kwargs)
-
-
-def _clip_grads_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
-    """CPU-safe stand-in for megatron's clip_grad_by_total_norm_fp32 (which asserts CUDA)."""
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    clip_coeff = max_norm / (total_norm + 1.0e-6)
-    if clip_coeff >= 1.0:
-        return
-    for p in parameters:
-        g = getattr(p, "decoupled_grad", None) if use_decoupled_grad else p.grad
-        if g is not None:
-            g.detach().mul_(clip_coeff)
-
-
-class CpuCompat(contextlib.AbstractContextManager):
-    """Scoped patches that make megatron-core 0.16.1 run on CPU over gloo.
-
-    Covers: `device="cuda"` factories (schedules' token counters, causal masks, grad-norm
-    buffers), `torch.cuda.current_device/synchronize`, the model-parallel RNG tracker (backed
-    by the CPU generator), and grad clipping. Never active when CUDA is available: then
-    entering is a no-op and `active` stays False.
-    """
-
-    def __init__(self):
-        self.active = False
-        self._saved: list[tuple[object, str, object]] = []
-        self._mode: _RedirectCudaDevice | None = None
-
-    def _patch(self, owner, name, value):
-        self._saved.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, value)
-
-    def __enter__(self):
-        if self.active:
-            raise RuntimeError("CpuCompat is already active; it is not re-entrant")
-        if torch.cuda.is_available():
-            return self
-        from megatron.core.optimizer import optimizer as mcore_optimizer
-        from megatron.core.tensor_parallel import random as mcore_random
-
-        self._patch(torch.cuda, "current_device", lambda: 0)
-        self._patch(torch.cuda, "synchronize", lambda *a, **k: None)
-        self._patch(torch.cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state())
-        self._patch(torch.cuda, "set_rng_state", lambda s, *a, **k: torch.set_rng_state(s))
-        self._patch(torch.cuda, "manual_seed", lambda seed: torch.manual_seed(seed))
-        self._patch(mcore_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
-        self._patch(mcore_random, "_set_cuda_rng_state", lambda s, *a, **k: torch.set_rng_state(s))
-        self._patch(mcore_optimizer, "clip_grad_by_total_norm_fp32", _clip_grads_cpu)
-        self._mode = _RedirectCudaDevice()
-        self._mode.__enter__()
-        self.active = True
-        return self
-
-    def __exit__(self, *exc):
-        if self._mode is not None:
-            self._mode.__exit__(*exc)
-            self._mode = None
-        for owner, name, value in reversed(self._saved):
-            setattr(owner, name, value)
-        self._saved.clear()
-        self.active = False
-        return False
+from .cpu_compat import CpuCompat
 
 
 @dataclass(frozen=True, kw_only=True)

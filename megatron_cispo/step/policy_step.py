@@ -1,0 +1,109 @@
+"""One RL policy update through megatron-core's own pipeline schedules.
+
+    metrics = policy_step(chunks, optimizer, rollouts, loss_cfg, StepConfig(micro_batch_size=2))
+
+Data flow: plan how pi_old is obtained (given, a forward-only pass, or the training forward
+itself) -> optional pi_old / pi_ref passes -> per minibatch, megatron's schedule runs
+`make_forward_step`'s loss plugin and the optimizer steps -> the microbatch Metrics are reduced
+exactly over DP x CP on the last stage and broadcast over the pipeline.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import partial
+from typing import Literal, Optional
+
+from ..config import LossConfig
+from ..losses import check_loss_config, required_inputs
+from ..losses.registry import missing_input_message
+from .forward import check_megatron_config, compute_logprobs, make_forward_step, run_schedule, split_microbatches
+from .pipeline import broadcast_object_from_last_stage, is_last_stage
+from .reduce import reduce_metrics
+from .rollouts import Rollouts, StepConfig
+
+
+OldPlan = Literal["given", "pass", "from_training_forward", "unused"]
+
+
+def plan_old_logprobs(loss_cfg: LossConfig, step_cfg: StepConfig, *, optimizer_steps: int,
+                      have_old: bool) -> OldPlan:
+    """Decide how pi_old is obtained. `required_inputs` already consults the anchor, TIS and KL."""
+    if "old_logprobs" not in required_inputs(loss_cfg):
+        return "unused"  # e.g. cispo with anchor='rollout' and no TIS
+    if have_old:
+        return "given"
+    if step_cfg.old_logprob_pass == "auto" and optimizer_steps == 1:
+        return "from_training_forward"  # one step per batch: pi_old == pi_theta, detached
+    return "pass"
+
+
+
+def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_cfg: StepConfig, *,
+                vocab_size: Optional[int] = None, ref_chunks=None, calls: Optional[list] = None) -> dict[str, float]:
+    """Run one full RL update (minibatches x epochs, each an optimizer step) on DP-local `batch`.
+
+    pi_old comes from `batch.old_logprobs`, the training forward, or a forward-only pass, as
+    `plan_old_logprobs` decides. With KL on and no `batch.ref_logprobs`, the reference model's
+    `ref_chunks` (same layout) are scored in a forward-only pass through the same schedule.
+
+    Returns global metrics (identical on every rank): the loss metrics reduced exactly over
+    microbatches and DP ("policy/loss", "<loss>/ratio_mean", ...), "step/grad_norm" (mean
+    over optimizer steps that computed one), "step/optimizer_steps" (taken), "step/skipped_steps"
+    (overflow), "step/old_logprob_pass" (1.0 if an extra forward pass computed pi_old) and
+    "step/forward_calls" (model forwards on this rank).
+    """
+    from megatron.core import parallel_state as mpu
+
+    check_megatron_config(chunks)
+    check_loss_config(loss_cfg)
+    if mpu.get_context_parallel_world_size() > 1:
+        raise ValueError("policy_step does not split sequences over context parallelism yet; "
+                         f"got cp={mpu.get_context_parallel_world_size()}, use cp=1")
+    dp = mpu.get_data_parallel_world_size()
+    n = batch.tokens.shape[0]
+    mini_local = n if step_cfg.minibatch_size is None else step_cfg.minibatch_size // dp
+    if step_cfg.minibatch_size is not None and (step_cfg.minibatch_size % dp or (n * dp) % step_cfg.minibatch_size):
+        raise ValueError(f"minibatch_size={step_cfg.minibatch_size} must divide the global batch "
+                         f"({n} per rank x dp={dp}) and be a multiple of dp")
+    if mini_local % step_cfg.micro_batch_size:
+        raise ValueError(f"micro_batch_size={step_cfg.micro_batch_size} must divide the per-rank "
+                         f"minibatch of {mini_local} sequences")
+    steps = step_cfg.epochs * (n // mini_local)
+    calls = [] if calls is None else calls
+    plan = plan_old_logprobs(loss_cfg, step_cfg, optimizer_steps=steps, have_old=batch.old_logprobs is not None)
+    # Checked on every rank before the schedule starts: raised inside the last stage's loss,
+    # a missing input would leave the other stages waiting in p2p until the timeout.
+    for name in sorted(required_inputs(loss_cfg) - {"entropy"}):
+        produced = (name == "old_logprobs" and plan in ("pass", "from_training_forward")
+                    or name == "ref_logprobs" and ref_chunks is not None)
+        if getattr(batch, name) is None and not produced:
+            raise ValueError(f"rollouts.{name} is missing: {missing_input_message(loss_cfg, name)}")
+    score = partial(compute_logprobs, batch=batch, micro_batch_size=step_cfg.micro_batch_size,
+                    temperature=step_cfg.temperature, vocab_size=vocab_size, calls=calls)
+    if plan == "pass":
+        batch = replace(batch, old_logprobs=score(chunks))
+    if "ref_logprobs" in required_inputs(loss_cfg) and batch.ref_logprobs is None:
+        batch = replace(batch, ref_logprobs=score(ref_chunks))
+    forward_step = make_forward_step(loss_cfg, temperature=step_cfg.temperature, vocab_size=vocab_size,
+                                     old_from_current=plan == "from_training_forward", calls=calls)
+    per_microbatch, grad_norms, skipped = [], [], 0
+    for _ in range(step_cfg.epochs):
+        for start in range(0, n, mini_local):
+            mini = Rollouts(**batch.select(slice(start, start + mini_local)))
+            for c in chunks:
+                c.zero_grad_buffer()
+            optimizer.zero_grad()
+            microbatches = split_microbatches(mini_local, step_cfg.micro_batch_size, mini)
+            per_microbatch += run_schedule(chunks, forward_step, microbatches, forward_only=False)
+            ok, grad_norm, _ = optimizer.step()
+            skipped += not ok  # a mixed-precision optimizer skips a step on overflow
+            if grad_norm is not None:  # None when clip_grad=0 on the fp32 optimizer
+                grad_norms.append(float(grad_norm))
+    metrics = None
+    if is_last_stage():
+        metrics = reduce_metrics(per_microbatch, group=mpu.get_data_parallel_group(with_context_parallel=True))
+    metrics = broadcast_object_from_last_stage(metrics)
+    metrics.update({"step/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
+                    "step/optimizer_steps": float(steps - skipped), "step/skipped_steps": float(skipped),
+                    "step/old_logprob_pass": float(plan == "pass"), "step/forward_calls": float(len(calls))})
+    return metrics

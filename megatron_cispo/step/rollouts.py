@@ -1,0 +1,84 @@
+"""What one policy step consumes: a batch of Rollouts, and the StepConfig that splits it.
+
+    batch = Rollouts(tokens=t, loss_mask=m, advantages=a, rollout_logprobs=lp)   # DP-local
+    batch.dp_shard(dp_rank=r, dp=dp)   # this rank's share of a global batch
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rollouts:
+    """A DP-local batch of n sequences of s+1 tokens (prompt + response, right-padded).
+
+    tokens: [n, s+1] int64. The model reads tokens[:, :-1] and is scored on tokens[:, 1:].
+    loss_mask: [n, s] bool, True on trained (response) targets. advantages: [n] or [n, s].
+    rollout_logprobs / old_logprobs / ref_logprobs: [n, s] fp32, per target token.
+    """
+
+    tokens: Tensor
+    loss_mask: Tensor
+    advantages: Tensor
+    rollout_logprobs: Optional[Tensor] = None
+    old_logprobs: Optional[Tensor] = None
+    ref_logprobs: Optional[Tensor] = None
+
+    def __post_init__(self):
+        if self.tokens.dim() != 2 or self.tokens.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"rollouts.tokens must be an int [n, s+1] tensor, got {self.tokens.dtype} "
+                             f"{tuple(self.tokens.shape)}")
+        n, s = self.tokens.shape[0], self.tokens.shape[1] - 1
+        for name in ("loss_mask", "rollout_logprobs", "old_logprobs", "ref_logprobs"):
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != (n, s):
+                raise ValueError(f"rollouts.{name} has shape {tuple(t.shape)}; expected [n, s] = {(n, s)} "
+                                 f"for tokens of shape {tuple(self.tokens.shape)}")
+        if tuple(self.advantages.shape) not in ((n,), (n, s)):
+            raise ValueError(f"rollouts.advantages has shape {tuple(self.advantages.shape)}; expected "
+                             f"[n] = {(n,)} or [n, s] = {(n, s)}")
+
+    def dp_shard(self, *, dp_rank: int, dp: int, minibatches: int = 1) -> Rollouts:
+        """This DP rank's share of a global batch, so that each minibatch (optimizer step)
+        holds the same global sequences in every layout: minibatch j is split over DP ranks."""
+        n = self.tokens.shape[0]
+        if n % (dp * minibatches):
+            raise ValueError(f"global batch of {n} sequences does not split into {minibatches} "
+                             f"minibatches over dp={dp}")
+
+        def take(t: Tensor) -> Tensor:
+            t = t.reshape(minibatches, dp, n // (dp * minibatches), *t.shape[1:])[:, dp_rank]
+            return t.reshape(-1, *t.shape[2:])
+        return Rollouts(**{k: take(v) for k, v in self.select(slice(None)).items()})
+
+    def select(self, idx: slice) -> dict[str, Tensor]:
+        return {k: getattr(self, k)[idx] for k in ("tokens", "loss_mask", "advantages", "rollout_logprobs",
+                                                   "old_logprobs", "ref_logprobs") if getattr(self, k) is not None}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepConfig:
+    """How one batch of rollouts becomes optimizer steps."""
+
+    micro_batch_size: int = field(default=1, metadata={"doc": "sequences per microbatch per DP rank"})
+    minibatch_size: Optional[int] = field(
+        default=None, metadata={"doc": "global sequences per optimizer step; None = the whole batch (one step)"})
+    epochs: int = field(default=1, metadata={"doc": "passes over the batch"})
+    temperature: float = field(default=1.0, metadata={"doc": "the sampler's temperature; logits are divided by it"})
+    old_logprob_pass: Literal["auto", "always"] = field(
+        default="auto", metadata={"doc": "auto skips the pi_old pass when it cannot matter"})
+
+    def __post_init__(self):
+        for name in ("micro_batch_size", "epochs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.minibatch_size is not None and self.minibatch_size < 1:
+            raise ValueError(f"minibatch_size must be >= 1 or None, got {self.minibatch_size}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.old_logprob_pass not in ("auto", "always"):
+            raise ValueError(f"old_logprob_pass must be 'auto' or 'always', got {self.old_logprob_pass!r}")
