@@ -117,6 +117,56 @@ def test_registry_check_rejects_a_plugin_loss_anchored_on_rollout_with_tis(monke
         raise AssertionError
 
     cfg = from_dict(LossConfig, {"policy_loss": "test_rollout_plugin", "tis": {"level": "token"}})
-    with pytest.raises(ValueError, match="policy_loss='test_rollout_plugin' cannot be combined with tis.level='token': the loss anchors on rollout_logprobs"):
+    with pytest.raises(ValueError, match="policy_loss='test_rollout_plugin' cannot be combined with "
+                                         "tis.level='token': the loss anchors on rollout_logprobs"):
         check_loss_config(cfg)
     check_loss_config(from_dict(LossConfig, {"policy_loss": "test_rollout_plugin"}))
+
+
+class _GuardedCollectives:
+    """Stands in for torch.distributed in step.reduce: a 2-rank group whose all_reduce refuses a
+    tensor that is not on the metrics' device (NCCL rejects CPU tensors; gloo would not notice)."""
+
+    ReduceOp = torch.distributed.ReduceOp
+
+    def __init__(self, device):
+        self.device, self.calls = torch.device(device), []
+
+    def is_initialized(self):
+        return True
+
+    def get_world_size(self, group=None):
+        return 2
+
+    def all_reduce(self, t, op=None, group=None):
+        assert t.device == self.device, f"a {t.device} tensor reached a collective; the metrics are on {self.device}"
+        assert t.numel() > 0, "an empty tensor reached a collective"
+        self.calls.append((op, t.dtype, t.numel()))
+
+
+def test_metric_reduction_builds_every_buffer_on_the_metrics_device(monkeypatch):
+    from megatron_cispo.losses import compute_policy_loss
+    from megatron_cispo.step import reduce as step_reduce
+
+    # "meta" stands in for cuda: a buffer built without the data's device lands on CPU and is caught.
+    lp = torch.zeros(2, 3, device="meta")
+    out = compute_policy_loss(LossConfig(), lp, advantages=torch.ones(2, device="meta"),
+                              loss_mask=torch.ones(2, 3, device="meta"), old_logprobs=lp)
+    guard = _GuardedCollectives("meta")
+    monkeypatch.setattr(step_reduce, "dist", guard)
+    sums, extremes = step_reduce.reduced_parts(Metrics.merge([out.metrics, out.metrics]), group=object())
+    assert sums.device.type == extremes.device.type == "meta"
+    assert [op for op, *_ in guard.calls] == [torch.distributed.ReduceOp.SUM, torch.distributed.ReduceOp.MAX]
+
+
+def test_a_loss_with_no_metric_of_a_kind_issues_no_collective_for_it(monkeypatch):
+    from megatron_cispo.step import reduce as step_reduce
+
+    guard = _GuardedCollectives("cpu")
+    monkeypatch.setattr(step_reduce, "dist", guard)
+    only_sums = Metrics(sums={"r": (torch.tensor(3.0), torch.tensor(2.0))})
+    assert reduce_metrics([only_sums], group=object()) == {"r": 1.5}
+    assert [op for op, *_ in guard.calls] == [torch.distributed.ReduceOp.SUM]  # no empty MIN/MAX buffer
+    guard.calls.clear()
+    assert reduce_metrics([Metrics()], group=object()) == {}  # e.g. a plugin loss's empty Metrics()
+    assert guard.calls == []

@@ -1,0 +1,134 @@
+"""The package layout is the data flow: library <- runner <- demo <- train.py, and no arrow back up.
+
+Every module's imports are parsed with `ast` (module level and inside functions alike), resolved
+to a megatron_cispo module and checked against the floor rule; `import megatron_cispo` must not
+load megatron-core or touch torch.cuda, and its public names are exactly the documented ones.
+"""
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[2] / "megatron_cispo"
+LIBRARY = {"__init__", "config", "logprobs", "losses", "step", "integrations"}
+# floor of each top-level part; a module may import only from its own floor or below
+FLOOR = {**{name: 0 for name in LIBRARY}, "runner": 1, "demo": 2, "train": 3, "testing": 3}
+NAMES = {0: "library", 1: "runner", 2: "demo", 3: "train/testing"}
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, root: Path):
+    """(line, absolute module) for every import in `path` that names the package."""
+    module = _module_name(path, root)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                prefix = ".".join(base + ([node.module] if node.module else []))
+            else:
+                prefix = node.module or ""
+            # `from . import x` names submodule x; `from .m import f` names module m
+            targets = [f"{prefix}.{a.name}" for a in node.names] if not node.module else [prefix]
+        else:
+            continue
+        for t in targets:
+            if t == root.name or t.startswith(root.name + "."):
+                yield node.lineno, t
+
+
+def _part(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def violations(root: Path = PKG) -> list[str]:
+    """Every import in the package that goes up a floor, as 'file:line: a (floor) imports b (floor)'."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        src = _part(_module_name(path, root))
+        for line, target in _imports(path, root):
+            dst = _part(target)
+            if dst not in FLOOR:
+                continue  # a plain attribute import from the package root, e.g. __version__
+            if FLOOR[dst] > FLOOR[src] or (FLOOR[src] == 3 and dst != src and FLOOR[dst] == 3):
+                out.append(f"{path.relative_to(root.parent)}:{line}: {src} ({NAMES[FLOOR[src]]}) imports "
+                           f"{target} ({NAMES[FLOOR[dst]]})")
+    return out
+
+
+def test_every_top_level_part_has_a_floor():
+    parts = {p.stem if p.is_file() else p.name for p in PKG.iterdir()
+             if (p.suffix == ".py" or (p / "__init__.py").exists())}
+    assert parts == set(FLOOR), f"give each new top-level module a floor in FLOOR: {parts ^ set(FLOOR)}"
+
+
+def test_imports_run_one_way_library_runner_demo_train():
+    assert violations() == []
+
+
+@pytest.mark.parametrize("where, line", [
+    ("losses/cispo.py", "from ..runner import checkpoint"),          # library -> runner
+    ("step/reduce.py", "from megatron_cispo.testing import spawn"),   # library -> testing
+    ("logprobs.py", "import megatron_cispo.demo.task"),                # library -> demo
+    ("runner/model.py", "from ..demo import task"),                   # runner -> demo
+    ("demo/loop.py", "from .. import train"),                         # demo -> train
+    ("config.py", "    from .runner.cpu_compat import CpuCompat"),   # inside a function, too
+])
+def test_a_planted_upward_import_is_reported(tmp_path, where, line):
+    root = tmp_path / "megatron_cispo"
+    shutil.copytree(PKG, root, ignore=shutil.ignore_patterns("__pycache__"))
+    target = root / where
+    body = f"def _planted():\n{line}\n" if line.startswith(" ") else f"{line}\n"
+    target.write_text(target.read_text() + "\n" + body)
+    found = violations(root)
+    assert len(found) == 1 and found[0].startswith(f"megatron_cispo/{where}:"), found
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
+
+
+def test_import_megatron_cispo_loads_no_megatron_core_and_never_touches_cuda():
+    proc = _run("""
+        import sys, torch
+        touched = []
+        for name in ("is_available", "current_device", "device_count", "_lazy_init", "synchronize", "set_device"):
+            real = getattr(torch.cuda, name)
+            setattr(torch.cuda, name, lambda *a, _n=name, _r=real, **k: touched.append(_n) or _r(*a, **k))
+        import megatron_cispo
+        assert "megatron.core" not in sys.modules, "import megatron_cispo loaded megatron.core"
+        for name in megatron_cispo.__all__:   # resolving every public name imports the whole library
+            getattr(megatron_cispo, name)
+        assert "megatron.core" not in sys.modules, "a library import loaded megatron.core"
+        assert not any(m.startswith(("megatron_cispo.runner", "megatron_cispo.demo")) for m in sys.modules)
+        assert torch.overrides._get_current_function_mode_stack() == [], "a TorchFunctionMode is active"
+        assert touched == [], f"torch.cuda touched: {touched}"
+        print("ok")
+    """)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_public_names_are_listed_resolvable_and_documented_in_one_place():
+    import megatron_cispo
+
+    doc = megatron_cispo.__doc__
+    assert sorted(megatron_cispo.__all__) == sorted(set(megatron_cispo.__all__))
+    for name in megatron_cispo.__all__:
+        assert getattr(megatron_cispo, name) is not None
+        assert f"\n    {name} " in doc, f"{name} is exported but not described in megatron_cispo/__init__.py"
+    assert "init_distributed" not in megatron_cispo.__all__ and "CpuCompat" not in megatron_cispo.__all__
+    with pytest.raises(AttributeError):
+        megatron_cispo.init_distributed  # noqa: B018 - the CPU layer is the runner's, not the library's
