@@ -57,7 +57,7 @@ def _ce_forward_step(calls: list):
     from megatron_cispo.step.forward import forward_step_for
 
     def loss_func(mb, logits):
-        losses = tensor_parallel.vocab_parallel_cross_entropy(logits, mb["tokens"][:, 1:])
+        losses = tensor_parallel.vocab_parallel_cross_entropy(logits, mb["targets"])
         mask = mb["loss_mask"].float()
         loss = torch.sum(losses * mask)
         num_tokens = mask.sum().detach().to(torch.int)
@@ -71,14 +71,17 @@ def _ce_step(chunks, optimizer, batch, micro: int) -> dict[str, float]:
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
-    from megatron_cispo.step.forward import run_schedule, split_microbatches
+    from megatron_cispo.step import StepConfig
+    from megatron_cispo.step.forward import run_schedule
+    from megatron_cispo.step.packing import microbatches, step_layout
 
     calls: list = []
     for c in chunks:
         c.zero_grad_buffer()
     optimizer.zero_grad()
-    reports = run_schedule(chunks, _ce_forward_step(calls), split_microbatches(batch.tokens.shape[0], micro, batch),
-                            forward_only=False)
+    step_cfg = StepConfig(micro_batch_size=micro)
+    mbs = microbatches(batch, None, step_cfg, step_layout(chunks, step_cfg), mpu.get_data_parallel_group())
+    reports = run_schedule(chunks, _ce_forward_step(calls), mbs, forward_only=False)
     _, grad_norm, _ = optimizer.step()
     total = torch.stack([r["lm loss"] for r in reports]).sum(0)
     dist.all_reduce(total, group=mpu.get_data_parallel_group())
@@ -101,14 +104,14 @@ def worker(cfg: dict, tp: int, threads: int) -> dict:
     tokens, loss_mask, adv, noise = _batch(cfg["vocab"], cfg["batch"], cfg["seq"])
     probe = Rollouts(tokens=tokens, loss_mask=loss_mask, advantages=adv)
     # A sampler slightly off the trainer: rollout logprobs = current + noise, ratios near 1.
-    rollout = compute_logprobs(chunks, probe, micro_batch_size=cfg["micro"]) + noise
+    rollout = compute_logprobs(chunks, probe, StepConfig(micro_batch_size=cfg["micro"])) + noise
     batch = Rollouts(tokens=tokens, loss_mask=loss_mask, advantages=adv, rollout_logprobs=rollout)
     step = StepConfig(micro_batch_size=cfg["micro"], old_logprob_pass="always")
     cases = {
         "A": partial(policy_step, chunks, opt, batch, from_dict(LossConfig, {"cispo": {"anchor": "old"}}), step),
         "B": partial(policy_step, chunks, opt, batch, from_dict(LossConfig, {"cispo": {"anchor": "rollout"}}), step),
         "C": partial(_ce_step, chunks, opt, batch, cfg["micro"]),
-        "pass": partial(compute_logprobs, chunks, batch, micro_batch_size=cfg["micro"]),  # A's extra work
+        "pass": partial(compute_logprobs, chunks, batch, StepConfig(micro_batch_size=cfg["micro"])),  # A's extra work
     }
     times: dict[str, list[float]] = {k: [] for k in cases}
     metrics = {}
@@ -145,7 +148,7 @@ def _loss_heads(cfg: dict, batch, loss_cfg) -> dict[str, list[float]]:
     def plugin():
         logits = base.clone().requires_grad_()
         lp, ent = token_logprobs(logits, targets, return_entropy=True)
-        res = compute_policy_loss(loss_cfg, logprobs=lp, advantages=mb["advantages"], loss_mask=mask,
+        res = compute_policy_loss(loss_cfg, lp, advantages=mb["advantages"], loss_mask=mask,
                                   rollout_logprobs=mb["rollout_logprobs"], entropy=ent)
         res.loss_sum.backward()
 

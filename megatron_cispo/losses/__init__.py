@@ -11,9 +11,9 @@ built-in loss), "policy/..." (loss, tokens, nonfinite_dropped, kl, entropy), "ti
 "megatron_cispo.policy_losses" entry-point group.
 """
 from . import cispo, ppo, rollout_is  # noqa: F401  (registers the built-in losses)
-from .aggregate import aggregate, finalize
+from .aggregate import aggregate, finalize, token_weights
 from .common import LOG_RATIO_CLAMP, LossInputs, kl_estimate, log_ratio
-from .compute import PolicyLossOutput, compute_policy_loss, per_token_policy_loss
+from .compute import PolicyLossOutput, compute_policy_loss, per_token_policy_loss, valid_tokens
 from .registry import (
     ENTRY_POINT_GROUP,
     PolicyLoss,
@@ -30,5 +30,5 @@ __all__ = [
     "ENTRY_POINT_GROUP", "LOG_RATIO_CLAMP", "LossInputs", "Metrics", "PolicyLoss", "PolicyLossOutput",
     "PolicyLossPluginError", "aggregate", "available_policy_losses", "check_loss_config", "compute_policy_loss", "finalize",
     "get_policy_loss", "kl_estimate", "log_ratio", "per_token_policy_loss", "register_policy_loss",
-    "required_inputs",
+    "required_inputs", "token_weights", "valid_tokens",
 ]

@@ -5,12 +5,23 @@ Pure tensor math on [b, s] fp32 tensors; no process groups.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
 
 from ..config import KLConfig, TISConfig
 from .metrics import Metrics
+
+# seq_sum(x [b, s]) -> [b, s]: each token gets the sum of x over its whole sequence. One row per
+# sequence by default; the policy step passes a segment sum over a packed row, reduced over CP.
+SeqSum = Callable[[Tensor], Tensor]
+
+
+def row_sum(x: Tensor) -> Tensor:
+    """The default SeqSum: every row of [b, s] is one sequence."""
+    return x.sum(-1, keepdim=True).expand_as(x)
+
 
 # exp(20) ~ 4.9e8 is far past any clip bound yet keeps exp() and its grad finite in fp32.
 LOG_RATIO_CLAMP = 20.0
@@ -62,19 +73,24 @@ def kl_estimate(estimator: str, logprobs: Tensor, ref_logprobs: Tensor) -> Tenso
     raise ValueError(f"kl.estimator must be 'k1', 'k2' or 'k3', got {estimator!r}")
 
 
-def tis_weights(tis: TISConfig, old: Tensor, rollout: Tensor, mask: Tensor, m: Metrics) -> Tensor:
-    """Detached truncated-IS weights min(pi_old / pi_rollout, cap), [b, s] (or [b, 1] per sequence)."""
+def tis_weights(tis: TISConfig, old: Tensor, rollout: Tensor, mask: Tensor, m: Metrics,
+                seq_sum: SeqSum = row_sum) -> Tensor:
+    """Detached truncated-IS weights min(pi_old / pi_rollout, cap), [b, s].
+
+    Per sequence, every token carries its sequence's weight exp(sum of log-ratios), and the
+    metrics weigh each token 1/len so that they are means over sequences.
+    """
     d = torch.where(mask, old - rollout, 0.0).detach()
     if tis.level == "token":
         w = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp(max=tis.cap)
-        where = mask
+        per = torch.ones_like(w)
     elif tis.level == "sequence":
-        w = d.sum(-1, keepdim=True).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp(max=tis.cap)
-        where = mask.any(-1, keepdim=True)
+        w = seq_sum(d).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp(max=tis.cap)
+        per = 1.0 / seq_sum(mask.float()).clamp(min=1.0)
     else:
         raise ValueError(f"tis.level must be 'token' or 'sequence' here, got {tis.level!r}")
-    m.mean("tis/weight_mean", w, where)
-    m.frac("tis/capped_frac", w >= tis.cap, where)
+    m.weighted_mean("tis/weight_mean", w, per, mask)
+    m.weighted_mean("tis/capped_frac", (w >= tis.cap).float(), per, mask)
     return w
 
 

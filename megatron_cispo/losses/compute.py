@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..config import LossConfig
 from .aggregate import aggregate, finalize
-from .common import LossInputs, kl_estimate, kl_penalty, tis_weights
+from .common import LossInputs, SeqSum, kl_estimate, kl_penalty, row_sum, tis_weights
 from .metrics import Metrics
 from .registry import check_loss_config, input_reasons, missing_input_message
 
@@ -53,6 +53,19 @@ def _zero_invalid(t: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, t.float(), 0.0)
 
 
+def valid_tokens(cfg: LossConfig, loss_mask: Tensor, **logprobs: Optional[Tensor]) -> Tensor:
+    """[b, s] bool: trained tokens whose logprobs that `cfg` needs (old/rollout/ref, as given) are
+    finite. The policy step calls it on the whole batch before the step, so the global
+    denominator is known up front; logprobs not given yet (pi_old from the training forward) are
+    skipped."""
+    needed = input_reasons(cfg)
+    valid = loss_mask != 0
+    for name, t in logprobs.items():
+        if name in needed and name.endswith("_logprobs") and t is not None:
+            valid = valid & torch.isfinite(t)
+    return valid
+
+
 def per_token_policy_loss(
     cfg: LossConfig,
     logprobs: Tensor,
@@ -63,10 +76,12 @@ def per_token_policy_loss(
     rollout_logprobs: Optional[Tensor] = None,
     ref_logprobs: Optional[Tensor] = None,
     entropy: Optional[Tensor] = None,
+    seq_sum: SeqSum = row_sum,
 ) -> tuple[Tensor, Tensor, Metrics]:
     """Per-token policy loss before aggregation: the registered loss, TIS, KL and entropy bonus.
 
-    Arguments as compute_policy_loss. Returns (per_token [b, s] fp32, 0 where valid is False;
+    Arguments as compute_policy_loss; seq_sum maps a [b, s] tensor to each token's sequence total
+    (default: one sequence per row; the policy step passes a segment sum for packed rows). Returns (per_token [b, s] fp32, 0 where valid is False;
     valid [b, s] bool; Metrics). valid = trained tokens whose required anchor/old/rollout/ref
     logprobs are finite: a non-finite one (e.g. a sampler's -inf) drops the token, counted in
     policy/nonfinite_dropped, with loss 0 and zero grad. A non-finite *current* logprob on a
@@ -83,10 +98,7 @@ def per_token_policy_loss(
     anchor = spec.anchor_for(cfg)
 
     trained = loss_mask != 0
-    valid = trained
-    for name in needed:
-        if name.endswith("_logprobs"):
-            valid = valid & torch.isfinite(given[name])
+    valid = valid_tokens(cfg, loss_mask, **given)
     m = Metrics()
     m.total("policy/tokens", valid.sum())
     m.total("policy/nonfinite_dropped", (trained & ~valid).sum())
@@ -106,7 +118,7 @@ def per_token_policy_loss(
         # Tokens were sampled from pi_rollout, so this estimates KL(pi_rollout || pi_old).
         m.mean("mismatch/k3_kl", kl_estimate("k3", rollout, old), both)
     if cfg.tis.level is not None:
-        per_token = per_token * tis_weights(cfg.tis, old, rollout, valid, m)
+        per_token = per_token * tis_weights(cfg.tis, old, rollout, valid, m, seq_sum)
     if ref_logprobs is not None:
         has_ref = valid & torch.isfinite(ref_logprobs)
         penalty = kl_penalty(cfg.kl, lp, _zero_invalid(ref_logprobs, has_ref).detach(), has_ref, m)

@@ -30,6 +30,11 @@ class Metrics:
         values = torch.where(mask, values.detach().float(), 0.0)
         self.sums[key] = (values.sum(), mask.sum().float())
 
+    def weighted_mean(self, key: str, values: Tensor, weights: Tensor, mask: Tensor) -> None:
+        """Mean of `values` where each masked element weighs `weights` (e.g. 1/len: per sequence)."""
+        w = torch.where(mask, weights.detach().float(), 0.0)
+        self.sums[key] = ((values.detach().float() * w).sum(), w.sum())
+
     def frac(self, key: str, hit: Tensor, mask: Tensor) -> None:
         self.mean(key, hit.float(), mask)
 

@@ -11,17 +11,21 @@ sums the denominators over microbatches and DP and divides the gradient once.
 """
 from __future__ import annotations
 
+import sys
 from functools import partial
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ..config import LossConfig
 from ..logprobs import token_logprobs
-from ..losses import compute_policy_loss
+from ..losses import compute_policy_loss, per_token_policy_loss
+from .packing import microbatches as build_microbatches
+from .packing import step_layout
 from .pipeline import broadcast_tensor_from_last_stage, is_last_stage
-from .rollouts import Rollouts
+from .rollouts import Rollouts, StepConfig
 
 
 def check_megatron_config(chunks) -> None:
@@ -41,39 +45,91 @@ def check_megatron_config(chunks) -> None:
                              "itself, and averaging in the collective would divide by DP size again")
 
 
+def _unwrap(model):
+    while hasattr(model, "module"):
+        if type(model).__name__ == "Float16Module":
+            return model, True
+        model = model.module
+    return model, False
+
+
 def forward_step_for(loss_func, calls: Optional[list] = None):
-    """forward_step(data_iterator, model) that runs the model on a microbatch dict and hands
-    `loss_func(mb, output)` to the schedule; `calls` gets one entry per model forward."""
+    """forward_step(data_iterator, model) that runs the model on a microbatch dict (step.packing)
+    and hands `loss_func(mb, output)` to the schedule; `calls` gets one entry per model forward.
+
+    Passes packed_seq_params and the MoE padding_mask when the microbatch has them, and asks a
+    Float16Module for logits in their own dtype (fp32_output=False): token_logprobs upcasts
+    chunk by chunk, so an fp32 copy of the logits is never needed."""
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
         if calls is not None:
             calls.append(1)
-        tokens = mb["tokens"][:, :-1]
-        pos = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        return model(tokens, pos, None), partial(loss_func, mb)
+        kwargs = {}
+        if mb.get("packed_seq_params") is not None:
+            kwargs["packed_seq_params"] = mb["packed_seq_params"]
+        if mb.get("padding_mask") is not None:
+            kwargs["padding_mask"] = mb["padding_mask"]
+        if _unwrap(model)[1]:
+            kwargs["fp32_output"] = False
+        return model(mb["input_ids"], mb["position_ids"], None, **kwargs), partial(loss_func, mb)
     return forward_step
 
 
+def _segment_sum(seq_index: Tensor, n_seqs: int, cp_group):
+    """SeqSum over the sequences of a microbatch: scatter-add by seq_index (-1 = padding), summed
+    over the CP group (each CP rank holds part of every sequence). For detached tensors only."""
+    slot = torch.where(seq_index < 0, n_seqs, seq_index).reshape(-1)
+
+    def seq_sum(x: Tensor) -> Tensor:
+        totals = torch.zeros(n_seqs + 1, dtype=x.dtype, device=x.device).index_add_(0, slot, x.reshape(-1))
+        if cp_group is not None:
+            dist.all_reduce(totals, group=cp_group)
+        return totals[slot].reshape(x.shape)
+    return seq_sum
+
+
+def _cp_group(cp_group):
+    if cp_group is not None:
+        return cp_group if dist.get_world_size(cp_group) > 1 else None
+    mpu = sys.modules.get("megatron.core.parallel_state")
+    if mpu is None or not mpu.model_parallel_is_initialized():
+        return None
+    return mpu.get_context_parallel_group() if mpu.get_context_parallel_world_size() > 1 else None
+
+
 def make_loss_func(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_size: Optional[int] = None,
-                   old_from_current: bool = False, entropy: bool = True):
+                   old_from_current: bool = False, entropy: bool = True, cp_group=None):
     """loss_func(microbatch, logits) -> (loss_sum, num_tokens int, Metrics), megatron's 3-tuple.
 
-    microbatch: a dict as `Rollouts.select` makes it ("tokens" [b, s+1], "loss_mask",
-    "advantages", optional "old/rollout/ref_logprobs" [b, s]). logits: [b, s, v/tp] as GPTModel
-    returns them (batch first). old_from_current: pi_old = this forward's detached logprobs
-    (one optimizer step per batch). Needs calculate_per_token_loss=True.
+    microbatch: a dict from step.packing ("targets", "loss_mask", "advantages" [b, s] or a packed
+    [1, T]; optional "old/rollout/ref_logprobs"; "seq_index", "n_seqs"). logits: [b, s, v/tp]
+    as GPTModel returns them. With "agg_weight", "agg_share", "loss_scale" and "num_tokens" (what
+    policy_step adds) the loss is exact for any split: it returns loss_scale * sum(weight * loss)
+    with num_tokens = the tokens the model (and an MoE router) saw, and megatron's division by
+    the summed num_tokens leaves sum(weight * loss) / the global denominator. Without them, the
+    microbatch is normalised on its own: (loss_sum, its denominator, Metrics).
+    old_from_current: pi_old = this forward's detached logprobs (one optimizer step per batch).
+    Needs calculate_per_token_loss=True. Collectives: token_logprobs' two TP all-reduces, and one
+    CP all-reduce per sequence-level quantity (sequence TIS) when cp > 1.
     """
     want_entropy = entropy or loss_cfg.entropy_coef != 0
 
-    def loss_func(mb: dict[str, Tensor], logits: Tensor):
-        out = token_logprobs(logits, mb["tokens"][:, 1:], temperature=temperature, vocab_size=vocab_size,
-                             return_entropy=want_entropy)
+    def loss_func(mb: dict, logits: Tensor):
+        mask = mb["loss_mask"]
+        out = token_logprobs(logits, mb["targets"], temperature=temperature, vocab_size=vocab_size,
+                             return_entropy=want_entropy, mask=mask)
         lp, ent = out if want_entropy else (out, None)
         old = lp.detach() if old_from_current else mb.get("old_logprobs")
-        res = compute_policy_loss(
-            loss_cfg, lp, advantages=mb["advantages"], loss_mask=mb["loss_mask"], old_logprobs=old,
-            rollout_logprobs=mb.get("rollout_logprobs"), ref_logprobs=mb.get("ref_logprobs"), entropy=ent)
-        return res.loss_sum, res.denominator.round().to(torch.int), res.metrics
+        given = dict(advantages=mb["advantages"], loss_mask=mask, old_logprobs=old,
+                     rollout_logprobs=mb.get("rollout_logprobs"), ref_logprobs=mb.get("ref_logprobs"), entropy=ent)
+        if "agg_weight" not in mb:
+            res = compute_policy_loss(loss_cfg, lp, **given)
+            return res.loss_sum, res.denominator.round().to(torch.int), res.metrics
+        seq_sum = _segment_sum(mb["seq_index"], mb["n_seqs"], _cp_group(cp_group))
+        per_token, valid, m = per_token_policy_loss(loss_cfg, lp, seq_sum=seq_sum, **given)
+        loss_sum = (per_token * mb["agg_weight"]).sum()
+        m.sums["policy/loss"] = (loss_sum.detach(), (mb["agg_share"] * valid).sum())
+        return loss_sum * mb["loss_scale"], mb["num_tokens"], m
 
     return loss_func
 
@@ -82,7 +138,7 @@ def make_forward_step(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_s
                       old_from_current: bool = False, entropy: bool = True, calls: Optional[list] = None):
     """forward_step(data_iterator, model) for megatron-core's schedules: the whole loss plugin.
 
-    The iterator yields microbatch dicts (`Rollouts.select`); loss_func is `make_loss_func`'s.
+    The iterator yields microbatch dicts (step.packing); loss_func is `make_loss_func`'s.
     `calls`, if given, gets one entry per model forward (for tests and benchmarks).
     """
     loss_func = make_loss_func(loss_cfg, temperature=temperature, vocab_size=vocab_size,
@@ -91,40 +147,54 @@ def make_forward_step(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_s
 
 
 def run_schedule(chunks, forward_step, microbatches: list, *, forward_only: bool):
+    """megatron's forward/backward over `microbatches` (dicts from step.packing); returns what the
+    loss functions reported, one entry per microbatch, on the last pipeline stage."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    seq = microbatches[0]["tokens"].shape[1] - 1
     its = [iter(microbatches) for _ in chunks]
     return get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=its if len(chunks) > 1 else its[0],
         model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(microbatches),
-        seq_length=seq, micro_batch_size=microbatches[0]["tokens"].shape[0], forward_only=forward_only)
-
-
-def split_microbatches(n: int, size: int, batch: Rollouts) -> list[dict[str, Tensor]]:
-    return [batch.select(slice(i, i + size)) for i in range(0, n, size)]
+        seq_length=microbatches[0]["seq_length"], micro_batch_size=microbatches[0]["input_ids"].shape[0],
+        forward_only=forward_only)
 
 
 @torch.no_grad()
-def compute_logprobs(chunks, batch: Rollouts, *, micro_batch_size: int, temperature: float = 1.0,
-                     vocab_size: Optional[int] = None, calls: Optional[list] = None) -> Tensor:
-    """Forward-only pass through the schedule; [n, s] fp32 logprobs on every PP stage."""
+def compute_logprobs(chunks, batch: Rollouts, step_cfg: StepConfig, *, vocab_size: Optional[int] = None,
+                     calls: Optional[list] = None) -> Tensor:
+    """Forward-only pass through the schedule, packed or padded as step_cfg says; [n, s] fp32
+    logprobs of `batch`'s targets (0 on padding and untrained targets), on every PP and CP rank.
+    Collectives: the schedule's, a MAX over DP (bin count), a SUM over CP, a broadcast over PP."""
+    from megatron.core import parallel_state as mpu
+
+    temperature = step_cfg.temperature
+    shape = (batch.tokens.shape[0], batch.tokens.shape[1] - 1)
+    microbatches = build_microbatches(batch, None, step_cfg, step_layout(chunks, step_cfg),
+                                      mpu.get_data_parallel_group())
     def loss_func(mb, logits):
-        lp = token_logprobs(logits, mb["tokens"][:, 1:], temperature=temperature, vocab_size=vocab_size)
-        return lp.sum(), torch.zeros((), dtype=torch.int, device=lp.device), {"logprobs": lp.detach()}
+        lp = token_logprobs(logits, mb["targets"], temperature=temperature, vocab_size=vocab_size,
+                            mask=mb["loss_mask"])
+        return lp.sum(), torch.zeros((), dtype=torch.int, device=lp.device), \
+            {"logprobs": lp.detach(), "gather_index": mb["gather_index"]}
 
     forward_step = forward_step_for(loss_func, calls)
-    n, s = batch.tokens.shape[0], batch.tokens.shape[1] - 1
     modes = [c.training for c in chunks]
     for c in chunks:
         c.eval()
     try:
-        reports = run_schedule(chunks, forward_step, split_microbatches(n, micro_batch_size, batch),
-                               forward_only=True)
+        reports = run_schedule(chunks, forward_step, microbatches, forward_only=True)
     finally:
         for c, mode in zip(chunks, modes):
             c.train(mode)
-    local = torch.cat([r["logprobs"] for r in reports]) if is_last_stage() else None
-    return broadcast_tensor_from_last_stage(local, (n, s), device=batch.tokens.device)
-
-
+    device = microbatches[0]["input_ids"].device
+    full = None
+    if is_last_stage():
+        full = torch.zeros(shape[0] * shape[1], dtype=torch.float32, device=device)
+        for r in reports:
+            idx, lp = r["gather_index"].reshape(-1), r["logprobs"].reshape(-1)
+            full[idx[idx >= 0]] = lp[idx >= 0]
+        group = _cp_group(None)
+        if group is not None:  # each CP rank scored its own chunks of every sequence
+            dist.all_reduce(full, group=group)
+        full = full.view(shape)
+    return broadcast_tensor_from_last_stage(full, shape, device=device)

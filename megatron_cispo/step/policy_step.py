@@ -16,7 +16,8 @@ from typing import Literal, Optional
 from ..config import LossConfig
 from ..losses import check_loss_config, required_inputs
 from ..losses.registry import missing_input_message
-from .forward import check_megatron_config, compute_logprobs, make_forward_step, run_schedule, split_microbatches
+from .forward import check_megatron_config, compute_logprobs, make_forward_step, run_schedule
+from .packing import microbatches, step_layout
 from .pipeline import broadcast_object_from_last_stage, is_last_stage
 from .reduce import reduce_metrics
 from .rollouts import Rollouts, StepConfig
@@ -37,35 +38,38 @@ def plan_old_logprobs(loss_cfg: LossConfig, step_cfg: StepConfig, *, optimizer_s
     return "pass"
 
 
-
 def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_cfg: StepConfig, *,
                 vocab_size: Optional[int] = None, ref_chunks=None, calls: Optional[list] = None) -> dict[str, float]:
     """Run one full RL update (minibatches x epochs, each an optimizer step) on DP-local `batch`.
 
-    pi_old comes from `batch.old_logprobs`, the training forward, or a forward-only pass, as
-    `plan_old_logprobs` decides. With KL on and no `batch.ref_logprobs`, the reference model's
-    `ref_chunks` (same layout) are scored in a forward-only pass through the same schedule.
+    Sequences are packed into [1, T] bins of at most step_cfg.max_tokens_per_microbatch tokens
+    (THD, split over CP), or padded micro_batch_size at a time. pi_old comes from
+    `batch.old_logprobs`, the training forward, or a forward-only pass, as `plan_old_logprobs`
+    decides. With KL on and no `batch.ref_logprobs`, the reference model's `ref_chunks` (same
+    layout) are scored in a forward-only pass through the same schedule.
 
     Returns global metrics (identical on every rank): the loss metrics reduced exactly over
-    microbatches and DP ("policy/loss", "<loss>/ratio_mean", ...), "step/grad_norm" (mean
+    microbatches and DP x CP ("policy/loss", "<loss>/ratio_mean", ...), "step/grad_norm" (mean
     over optimizer steps that computed one), "step/optimizer_steps" (taken), "step/skipped_steps"
-    (overflow), "step/old_logprob_pass" (1.0 if an extra forward pass computed pi_old) and
-    "step/forward_calls" (model forwards on this rank).
+    (overflow), "step/old_logprob_pass" (1.0 if an extra forward pass computed pi_old),
+    "step/forward_calls" (model forwards on this rank) and "step/microbatches" (per step, this rank).
     """
     from megatron.core import parallel_state as mpu
 
     check_megatron_config(chunks)
     check_loss_config(loss_cfg)
-    if mpu.get_context_parallel_world_size() > 1:
-        raise ValueError("policy_step does not split sequences over context parallelism yet; "
-                         f"got cp={mpu.get_context_parallel_world_size()}, use cp=1")
+    layout = step_layout(chunks, step_cfg)
+    dp_group = mpu.get_data_parallel_group()
     dp = mpu.get_data_parallel_world_size()
     n = batch.tokens.shape[0]
     mini_local = n if step_cfg.minibatch_size is None else step_cfg.minibatch_size // dp
+    if n == 0 or mini_local == 0:
+        raise ValueError(f"policy_step got no rows to train on (n={n} per rank, minibatch_size="
+                         f"{step_cfg.minibatch_size}, dp={dp})")
     if step_cfg.minibatch_size is not None and (step_cfg.minibatch_size % dp or (n * dp) % step_cfg.minibatch_size):
         raise ValueError(f"minibatch_size={step_cfg.minibatch_size} must divide the global batch "
                          f"({n} per rank x dp={dp}) and be a multiple of dp")
-    if mini_local % step_cfg.micro_batch_size:
+    if step_cfg.max_tokens_per_microbatch is None and mini_local % step_cfg.micro_batch_size:
         raise ValueError(f"micro_batch_size={step_cfg.micro_batch_size} must divide the per-rank "
                          f"minibatch of {mini_local} sequences")
     steps = step_cfg.epochs * (n // mini_local)
@@ -78,23 +82,23 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
                     or name == "ref_logprobs" and ref_chunks is not None)
         if getattr(batch, name) is None and not produced:
             raise ValueError(f"rollouts.{name} is missing: {missing_input_message(loss_cfg, name)}")
-    score = partial(compute_logprobs, batch=batch, micro_batch_size=step_cfg.micro_batch_size,
-                    temperature=step_cfg.temperature, vocab_size=vocab_size, calls=calls)
+    build = partial(microbatches, loss_cfg=loss_cfg, step_cfg=step_cfg, layout=layout, dp_group=dp_group)
+    score = partial(compute_logprobs, batch=batch, step_cfg=step_cfg, vocab_size=vocab_size, calls=calls)
     if plan == "pass":
         batch = replace(batch, old_logprobs=score(chunks))
     if "ref_logprobs" in required_inputs(loss_cfg) and batch.ref_logprobs is None:
         batch = replace(batch, ref_logprobs=score(ref_chunks))
     forward_step = make_forward_step(loss_cfg, temperature=step_cfg.temperature, vocab_size=vocab_size,
                                      old_from_current=plan == "from_training_forward", calls=calls)
-    per_microbatch, grad_norms, skipped = [], [], 0
+    per_microbatch, grad_norms, skipped, counts = [], [], 0, []
     for _ in range(step_cfg.epochs):
         for start in range(0, n, mini_local):
-            mini = Rollouts(**batch.select(slice(start, start + mini_local)))
+            mbs = build(Rollouts(**batch.select(slice(start, start + mini_local))))
+            counts.append(len(mbs))
             for c in chunks:
                 c.zero_grad_buffer()
             optimizer.zero_grad()
-            microbatches = split_microbatches(mini_local, step_cfg.micro_batch_size, mini)
-            per_microbatch += run_schedule(chunks, forward_step, microbatches, forward_only=False)
+            per_microbatch += run_schedule(chunks, forward_step, mbs, forward_only=False)
             ok, grad_norm, _ = optimizer.step()
             skipped += not ok  # a mixed-precision optimizer skips a step on overflow
             if grad_norm is not None:  # None when clip_grad=0 on the fp32 optimizer
@@ -105,5 +109,6 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
     metrics = broadcast_object_from_last_stage(metrics)
     metrics.update({"step/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
                     "step/optimizer_steps": float(steps - skipped), "step/skipped_steps": float(skipped),
-                    "step/old_logprob_pass": float(plan == "pass"), "step/forward_calls": float(len(calls))})
+                    "step/old_logprob_pass": float(plan == "pass"), "step/forward_calls": float(len(calls)),
+                    "step/microbatches": sum(counts) / len(counts)})
     return metrics

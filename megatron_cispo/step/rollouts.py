@@ -1,7 +1,9 @@
 """What one policy step consumes: a batch of Rollouts, and the StepConfig that splits it.
 
-    batch = Rollouts(tokens=t, loss_mask=m, advantages=a, rollout_logprobs=lp)   # DP-local
+    batch = Rollouts(tokens=t, loss_mask=m, advantages=a, rollout_logprobs=lp, lengths=l)  # DP-local
     batch.dp_shard(dp_rank=r, dp=dp)   # this rank's share of a global batch
+Sequences may differ in length (`lengths`); the step packs them under a token budget
+(StepConfig.max_tokens_per_microbatch) or pads them per microbatch.
 """
 from __future__ import annotations
 
@@ -14,10 +16,13 @@ from torch import Tensor
 
 @dataclass(frozen=True, kw_only=True)
 class Rollouts:
-    """A DP-local batch of n sequences of s+1 tokens (prompt + response, right-padded).
+    """A DP-local batch of n sequences of up to s+1 tokens (prompt + response, right-padded).
 
     tokens: [n, s+1] int64. The model reads tokens[:, :-1] and is scored on tokens[:, 1:].
-    loss_mask: [n, s] bool, True on trained (response) targets. advantages: [n] or [n, s].
+    lengths: [n] int, real tokens per row (2..s+1); None = every row is s+1 long. Positions at
+        or past a row's length are padding: never trained, never seen by the model when packed.
+    loss_mask: [n, s] bool, True on trained (response) targets; it carries the prompt/response
+        boundary. advantages: [n] or [n, s].
     rollout_logprobs / old_logprobs / ref_logprobs: [n, s] fp32, per target token.
     """
 
@@ -27,6 +32,7 @@ class Rollouts:
     rollout_logprobs: Optional[Tensor] = None
     old_logprobs: Optional[Tensor] = None
     ref_logprobs: Optional[Tensor] = None
+    lengths: Optional[Tensor] = None
 
     def __post_init__(self):
         if self.tokens.dim() != 2 or self.tokens.dtype not in (torch.int64, torch.int32):
@@ -41,6 +47,26 @@ class Rollouts:
         if tuple(self.advantages.shape) not in ((n,), (n, s)):
             raise ValueError(f"rollouts.advantages has shape {tuple(self.advantages.shape)}; expected "
                              f"[n] = {(n,)} or [n, s] = {(n, s)}")
+        if self.lengths is not None:
+            lengths = self.lengths
+            if tuple(lengths.shape) != (n,) or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+                raise ValueError(f"rollouts.lengths must be an int [n] = {(n,)} tensor, got {lengths.dtype} "
+                                 f"{tuple(lengths.shape)}")
+            if n and (int(lengths.min()) < 2 or int(lengths.max()) > s + 1):
+                raise ValueError(f"rollouts.lengths must be in [2, {s + 1}] (a prompt token and a target, at "
+                                 f"most tokens.shape[1]), got min {int(lengths.min())} max {int(lengths.max())}")
+            past = torch.arange(s, device=lengths.device)[None, :] >= (lengths[:, None] - 1)
+            if bool((self.loss_mask.bool() & past.to(self.loss_mask.device)).any()):
+                row = int((self.loss_mask.bool() & past.to(self.loss_mask.device)).any(1).nonzero()[0, 0])
+                raise ValueError(f"rollouts.loss_mask trains a target past the end of row {row} "
+                                 f"(length {int(lengths[row])}): targets at or after lengths-1 are padding")
+
+    def target_lengths(self) -> Tensor:
+        """[n] int64: model input (= target) positions per row, lengths - 1."""
+        n, s = self.tokens.shape[0], self.tokens.shape[1] - 1
+        if self.lengths is None:
+            return torch.full((n,), s, dtype=torch.int64, device=self.tokens.device)
+        return self.lengths.to(self.tokens.device, torch.int64) - 1
 
     def dp_shard(self, *, dp_rank: int, dp: int, minibatches: int = 1) -> Rollouts:
         """This DP rank's share of a global batch, so that each minibatch (optimizer step)
@@ -55,9 +81,11 @@ class Rollouts:
             return t.reshape(-1, *t.shape[2:])
         return Rollouts(**{k: take(v) for k, v in self.select(slice(None)).items()})
 
-    def select(self, idx: slice) -> dict[str, Tensor]:
+    def select(self, idx) -> dict[str, Tensor]:
+        """The given fields of rows `idx` (a slice or an index tensor), as Rollouts(**...) takes them."""
         return {k: getattr(self, k)[idx] for k in ("tokens", "loss_mask", "advantages", "rollout_logprobs",
-                                                   "old_logprobs", "ref_logprobs") if getattr(self, k) is not None}
+                                                   "old_logprobs", "ref_logprobs", "lengths")
+                if getattr(self, k) is not None}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,11 +99,16 @@ class StepConfig:
     temperature: float = field(default=1.0, metadata={"doc": "the sampler's temperature; logits are divided by it"})
     old_logprob_pass: Literal["auto", "always"] = field(
         default="auto", metadata={"doc": "auto skips the pi_old pass when it cannot matter"})
+    max_tokens_per_microbatch: Optional[int] = field(
+        default=None, metadata={"doc": "pack sequences into [1, T] microbatches of at most this many "
+                                       "tokens (first-fit decreasing); None = pad micro_batch_size rows"})
 
     def __post_init__(self):
         for name in ("micro_batch_size", "epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
+            raise ValueError(f"max_tokens_per_microbatch must be >= 1 or None, got {self.max_tokens_per_microbatch}")
         if self.minibatch_size is not None and self.minibatch_size < 1:
             raise ValueError(f"minibatch_size must be >= 1 or None, got {self.minibatch_size}")
         if not self.temperature > 0:

@@ -55,7 +55,7 @@ def policy_step_worker(tp, pp, vp=None, layers=4, cases=tuple(CASES), micro=2):
         opt = build_optimizer(chunks, lr=0.1, optimizer="sgd", clip_grad=1.0)
         full = Rollouts(tokens=tokens, loss_mask=loss_mask, advantages=adv, rollout_logprobs=noise)
         shard = full.dp_shard(dp_rank=dp_rank, dp=dp, minibatches=N // step_kw.get("minibatch_size", N))
-        current = compute_logprobs(chunks, shard, micro_batch_size=micro)
+        current = compute_logprobs(chunks, shard, StepConfig(micro_batch_size=micro))
         stale = current + shard.rollout_logprobs  # a sampler some versions behind: log-ratios ~ 1
         if dp_rank == 0:
             stale[0, int(shard.loss_mask[0].nonzero()[0])] = float("-inf")  # samplers do return -inf; the token must be dropped, not NaN
@@ -93,7 +93,7 @@ def _assert_matches(reference, results):
     for case, ref in reference.items():
         for rank, res in enumerate(results):
             got = res[case]["metrics"]
-            per_rank = {"step/forward_calls"}  # microbatch forwards made by this rank
+            per_rank = {"step/forward_calls", "step/microbatches"}  # model forwards and microbatches of this rank
             assert set(got) == set(ref["metrics"]), case
             for key, value in ref["metrics"].items():
                 if key not in per_rank:

@@ -24,7 +24,7 @@ def sampler_vs_trainer_worker(tp, pp, temperature):
     tokens = torch.randint(0, 16, (8, 11), generator=g)
     batch = Rollouts(tokens=tokens, loss_mask=torch.ones(8, 10, dtype=torch.bool), advantages=torch.randn(8, generator=g))
     policy_step(chunks, opt, batch, LossConfig(), StepConfig(micro_batch_size=4))  # move off the init
-    trainer = compute_logprobs(chunks, batch, micro_batch_size=4, temperature=temperature)
+    trainer = compute_logprobs(chunks, batch, StepConfig(micro_batch_size=4, temperature=temperature))
     engine = TorchGPT(gather_full_state(chunks), cfg, dtype=torch.float32)
     logits = engine.logits(tokens[:, :-1]).float() / temperature
     sampler = torch.log_softmax(logits, -1).gather(2, tokens[:, 1:].unsqueeze(2)).squeeze(2)

@@ -1,0 +1,244 @@
+"""Rollouts -> microbatch dicts for megatron's schedules: packed [1, T] bins (THD) or padded rows.
+
+    layout = Layout(cp=2, cp_rank=r, pad_multiple=4)
+    mbs = packed_microbatches(batch, weights, plan_bins(batch, 4096, layout), layout=layout)
+    mbs = padded_microbatches(batch, weights, micro_batch_size=8, layout=layout)
+
+Every per-token field is built on the whole sequence first (targets shifted before any split,
+so a CP chunk boundary takes its target from the neighbouring chunk), then cut to this CP
+rank's tokens with megatron's load-balanced 2*cp chunks per sequence. The aggregation weights
+come from the whole global batch (losses.token_weights), so any split sums to the same loss.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..config import LossConfig
+from ..losses import token_weights, valid_tokens
+from .rollouts import Rollouts, StepConfig
+
+PER_TOKEN = ("loss_mask", "advantages", "rollout_logprobs", "old_logprobs", "ref_logprobs",
+             "agg_weight", "agg_share")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """Where a microbatch runs. pad_multiple: every sequence is padded to a multiple of it (2*cp
+    under CP, times tp under sequence parallelism). fixed_tokens: every packed bin is exactly this
+    long (pipeline parallelism sends fixed shapes), None = each bin as long as its sequences."""
+
+    cp: int = 1
+    cp_rank: int = 0
+    pad_multiple: int = 1
+    fixed_tokens: Optional[int] = None
+    padding_mask: bool = False  # hand the model the pad positions (MoE routers ignore them)
+
+
+def first_fit_decreasing(sizes: list[int], budget: int) -> list[list[int]]:
+    """Bins of indices whose sizes sum to <= budget; largest first, ties by index (deterministic)."""
+    bins: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(sizes)), key=lambda k: (-sizes[k], k)):
+        if sizes[i] > budget:
+            raise ValueError(f"sequence {i} needs {sizes[i]} tokens (padded), more than "
+                             f"max_tokens_per_microbatch={budget}; raise the budget")
+        for b, room in enumerate(free):
+            if sizes[i] <= room:
+                bins[b].append(i)
+                free[b] -= sizes[i]
+                break
+        else:
+            bins.append([i])
+            free.append(budget - sizes[i])
+    return [sorted(b) for b in bins]
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def cp_indices(segments: list[int], cp: int, cp_rank: int, device) -> Tensor:
+    """Positions of a packed row that CP rank `cp_rank` holds: chunks r and 2cp-1-r of every
+    segment (each a multiple of 2*cp long), segment by segment (TE's THD partitioning)."""
+    out, start = [], 0
+    for length in segments:
+        c = length // (2 * cp)
+        for k in (cp_rank, 2 * cp - 1 - cp_rank):
+            out.append(torch.arange(start + k * c, start + (k + 1) * c, device=device))
+        start += length
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64, device=device)
+
+
+def _fields(batch: Rollouts, weights: tuple[Tensor, Tensor]) -> dict[str, Tensor]:
+    n, s = batch.tokens.shape[0], batch.tokens.shape[1] - 1
+    f = {"agg_weight": weights[0], "agg_share": weights[1], "loss_mask": batch.loss_mask.bool()}
+    adv = batch.advantages
+    f["advantages"] = (adv if adv.dim() == 2 else adv[:, None].expand(n, s)).float()
+    for name in ("rollout_logprobs", "old_logprobs", "ref_logprobs"):
+        if getattr(batch, name) is not None:
+            f[name] = getattr(batch, name).float()
+    return f
+
+
+def plan_bins(batch: Rollouts, budget: int, layout: Layout) -> list[list[int]]:
+    """Row indices of each packed microbatch: first-fit decreasing of the padded lengths."""
+    m = layout.pad_multiple
+    return first_fit_decreasing([_round_up(L, m) for L in batch.target_lengths().tolist()],
+                                layout.fixed_tokens or budget)
+
+
+def packed_microbatches(batch: Rollouts, weights: tuple[Tensor, Tensor], bins: list[list[int]], *,
+                        layout: Layout) -> list[dict]:
+    """One [1, T_local] microbatch per bin of row indices (an empty bin is all padding).
+
+    weights: (agg_weight, agg_share), [n, s] from losses.token_weights on the global batch.
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    m = layout.pad_multiple
+    lengths = batch.target_lengths().tolist()
+    padded = [_round_up(L, m) for L in lengths]
+    fields = _fields(batch, weights)
+    dev, s = batch.tokens.device, batch.tokens.shape[1] - 1
+    out = []
+    for rows in bins:
+        segs = [padded[i] for i in rows]
+        real = [lengths[i] for i in rows]
+        total = layout.fixed_tokens or max(sum(segs), m)
+        if total > sum(segs):  # filler: one all-padding segment at the end
+            real.append(total - sum(segs))
+            segs.append(total - sum(segs))
+        ids, tgt, pos, gidx, seg, pad = [], [], [], [], [], []
+        per = {k: [] for k in fields}
+        for j, width in enumerate(segs):
+            i = rows[j] if j < len(rows) else None  # None: the filler segment
+            length = lengths[i] if i is not None else 0
+            z = torch.zeros(width - length, dtype=torch.int64, device=dev)
+            span = torch.arange(length, device=dev)
+            ids.append(torch.cat([batch.tokens[i, :length], z]) if i is not None else z)
+            tgt.append(torch.cat([batch.tokens[i, 1:length + 1], z]) if i is not None else z)
+            pos.append(torch.cat([span, z]))
+            gidx.append(torch.cat([(i if i is not None else 0) * s + span, z - 1]))
+            seg.append(torch.full((width,), j if i is not None else -1, dtype=torch.int64, device=dev))
+            pad.append(torch.arange(width, device=dev) >= length)
+            for k, t in fields.items():
+                head = t[i, :length] if i is not None else t.new_zeros(0)
+                per[k].append(torch.cat([head, t.new_zeros(width - length)]))
+        keep = cp_indices(segs, layout.cp, layout.cp_rank, dev) if layout.cp > 1 else None
+
+        def local(parts: list[Tensor]) -> Tensor:
+            t = torch.cat(parts)
+            return (t if keep is None else t[keep])[None]
+        cu_pad = torch.tensor([0, *segs], dtype=torch.int32, device=dev).cumsum(0, dtype=torch.int32)
+        cu = torch.tensor([0, *real], dtype=torch.int32, device=dev).cumsum(0, dtype=torch.int32)
+        mb = {"input_ids": local(ids), "targets": local(tgt), "position_ids": local(pos),
+              "gather_index": local(gidx), "seq_index": local(seg), "n_seqs": len(rows),
+              **{k: local(v) for k, v in per.items()},
+              "packed_seq_params": PackedSeqParams(
+                  qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_pad,
+                  cu_seqlens_kv_padded=cu_pad, max_seqlen_q=max(segs), max_seqlen_kv=max(segs)),
+              "seq_length": total}
+        pad_mask = local(pad)
+        mb["num_tokens"] = (~pad_mask).sum().to(torch.int)
+        if layout.padding_mask:
+            mb["padding_mask"] = pad_mask
+        out.append(mb)
+    return out
+
+
+def padded_microbatches(batch: Rollouts, weights: tuple[Tensor, Tensor], *, micro_batch_size: int,
+                        layout: Layout) -> list[dict]:
+    """Rows of `batch` in groups of micro_batch_size, [b, S] with S = s padded to pad_multiple."""
+    if layout.cp > 1:
+        raise ValueError(f"context parallelism (cp={layout.cp}) needs packed microbatches: set "
+                         "StepConfig.max_tokens_per_microbatch (YAML parallelism.max_tokens_per_microbatch)")
+    n, s = batch.tokens.shape[0], batch.tokens.shape[1] - 1
+    width = _round_up(s, layout.pad_multiple)
+    dev = batch.tokens.device
+    lengths = batch.target_lengths()
+    pos = torch.arange(width, device=dev)
+    pad = pos[None, :] >= lengths[:, None]  # [n, S]
+    extra = width - s
+
+    def widen(t: Tensor) -> Tensor:
+        return torch.cat([t, t.new_zeros(n, extra)], 1) if extra else t
+    fields = {k: widen(v) for k, v in _fields(batch, weights).items()}
+    ids = widen(torch.where(pad[:, :s], 0, batch.tokens[:, :-1]))
+    tgt = widen(torch.where(pad[:, :s], 0, batch.tokens[:, 1:]))
+    gidx = torch.where(pad, -1, torch.arange(n, device=dev)[:, None] * s + pos[None, :])
+    out = []
+    for r0 in range(0, n, micro_batch_size):
+        r = slice(r0, r0 + micro_batch_size)
+        b = ids[r].shape[0]
+        mb = {"input_ids": ids[r], "targets": tgt[r], "position_ids": pos.expand(b, width),
+              "gather_index": gidx[r], "seq_index": torch.arange(b, device=dev)[:, None].expand(b, width),
+              "n_seqs": b, **{k: v[r] for k, v in fields.items()}, "seq_length": width,
+              "num_tokens": (~pad[r]).sum().to(torch.int)}
+        if layout.padding_mask:
+            mb["padding_mask"] = pad[r]
+        out.append(mb)
+    return out
+
+
+def step_layout(chunks, step_cfg: StepConfig) -> Layout:
+    """This rank's CP chunking, the padding that CP and sequence parallelism need, fixed bin
+    shapes under pipeline parallelism, and whether the model routes tokens (MoE)."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.utils import get_model_config
+
+    cfg = get_model_config(chunks[0])
+    cp, tp = mpu.get_context_parallel_world_size(), mpu.get_tensor_model_parallel_world_size()
+    multiple = (2 * cp if cp > 1 else 1) * (tp if cfg.sequence_parallel else 1)
+    budget = step_cfg.max_tokens_per_microbatch
+    fixed = None
+    if budget is not None and mpu.get_pipeline_model_parallel_world_size() > 1:
+        fixed = -(-budget // multiple) * multiple  # p2p sends fixed shapes: every bin this long
+    return Layout(cp=cp, cp_rank=mpu.get_context_parallel_rank(), pad_multiple=multiple, fixed_tokens=fixed,
+                  padding_mask=getattr(cfg, "num_moe_experts", None) is not None)
+
+
+def microbatches(batch: Rollouts, loss_cfg: Optional[LossConfig], step_cfg: StepConfig, layout: Layout,
+                 dp_group) -> list[dict]:
+    """`batch` (DP-local; one optimizer step's share) as microbatch dicts for the schedule.
+
+    With a loss_cfg, attach the exact global normalisation (without: a forward-only pass). The per-token aggregation weights come from
+    the whole batch, and one SUM all-reduce over DP gives the global denominator D and the global
+    count N of model tokens; each microbatch returns loss_scale * sum(weight * loss) with
+    loss_scale = N / D and num_tokens = its own model tokens, so megatron's division by the
+    summed num_tokens (N) leaves the exact global loss, and an MoE router's aux loss is scaled by
+    the tokens it saw. Packed: every DP rank runs the same number of bins (MAX all-reduce).
+    """
+    dev = batch.tokens.device
+    if loss_cfg is not None:
+        given = {k: getattr(batch, k) for k in ("old_logprobs", "rollout_logprobs", "ref_logprobs")}
+        w, share, denom = token_weights(valid_tokens(loss_cfg, batch.loss_mask, **given), loss_cfg.loss_agg,
+                                        loss_cfg.max_len)
+    else:
+        w = share = torch.zeros(batch.loss_mask.shape, device=dev)
+    if step_cfg.max_tokens_per_microbatch is None:
+        mbs = padded_microbatches(batch, (w, share), micro_batch_size=step_cfg.micro_batch_size, layout=layout)
+    else:
+        bins = plan_bins(batch, step_cfg.max_tokens_per_microbatch, layout)
+        count = torch.tensor([len(bins)], dtype=torch.int64, device=dev)
+        if dist.is_initialized() and dist.get_world_size(dp_group) > 1:
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)  # EP all-to-all spans DP
+        bins += [[] for _ in range(int(count) - len(bins))]
+        mbs = packed_microbatches(batch, (w, share), bins, layout=layout)
+    if loss_cfg is not None:
+        totals = torch.stack([denom.double(), batch.target_lengths().sum().double()]).to(dev)
+        if dist.is_initialized() and dist.get_world_size(dp_group) > 1:
+            dist.all_reduce(totals, group=dp_group)
+        d_global, n_global = totals.tolist()
+        scale = n_global / d_global if d_global > 0 else 0.0
+        for mb in mbs:
+            mb["loss_scale"] = scale
+    else:
+        for mb in mbs:
+            for k in ("agg_weight", "agg_share"):
+                mb.pop(k)
+    return mbs
