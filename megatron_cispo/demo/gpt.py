@@ -4,11 +4,12 @@
 
 It reads the full (unsharded) state under megatron's global parameter names, from the local
 or the Transformer Engine layer spec, and reproduces GPTModel's forward (learned positions,
-pre-LayerNorm blocks, per-head interleaved QKV, GeLU MLP, untied output layer).
+pre-LayerNorm blocks, per-head interleaved QKV, GeLU MLP or top-k MoE, untied output layer).
 """
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,9 @@ _TE_NAMES = {
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
     "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
 }
+# TEGroupedMLP keeps expert i's weights as experts.linear_fc1.weight<i>; SequentialMLP as
+# experts.local_experts.<i>.linear_fc1.weight (both [out, in] per expert).
+_GROUPED_EXPERT = re.compile(r"(.*\.experts)\.(linear_fc[12])\.(weight|bias)(\d+)")
 
 
 def canonical_names(state: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -30,16 +34,29 @@ def canonical_names(state: dict[str, Tensor]) -> dict[str, Tensor]:
         for te, local in _TE_NAMES.items():
             if name.endswith(te):
                 name = name[: -len(te)] + local
+        grouped = _GROUPED_EXPERT.fullmatch(name)
+        if grouped:
+            prefix, linear, kind, i = grouped.groups()
+            name = f"{prefix}.local_experts.{i}.{linear}.{kind}"
         out[name] = t
     return out
 
 
 class TorchGPT:
-    """Forward-only GPT over a dict of full tensors; no autograd, no process groups."""
+    """Forward-only GPT over a dict of full tensors; no autograd, no process groups.
+
+    cfg: runner.model.ModelConfig. With `num_moe_experts` set, every layer's MLP is megatron's
+    MoELayer (TopKRouter, softmax score, no shared expert) with `moe_router_topk` experts per token.
+    """
 
     def __init__(self, state: dict[str, Tensor], cfg, *, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", eps: float = 1e-5):
-        self.cfg, self.eps = cfg, eps  # cfg: model.ModelConfig
+        self.cfg, self.eps = cfg, eps
+        self.num_experts = getattr(cfg, "num_moe_experts", None)
+        self.topk = getattr(cfg, "moe_router_topk", 1)
+        # runner.model builds top-1 routers with the softmax before the top-k (megatron refuses
+        # top-1 without it) and top-k > 1 routers with the softmax over the k chosen logits.
+        self.pre_softmax = self.topk == 1
         self.w = {k: v.to(device=device, dtype=dtype) for k, v in canonical_names(state).items()}
         missing = [k for k in self._expected() if k not in self.w]
         if missing:
@@ -48,10 +65,15 @@ class TorchGPT:
     def _expected(self) -> list[str]:
         names = ["embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
                  "decoder.final_layernorm.weight", "output_layer.weight"]
+        if self.num_experts is None:
+            mlp = ["mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+        else:
+            mlp = ["mlp.router.weight"] + [f"mlp.experts.local_experts.{e}.linear_fc{j}.weight"
+                                           for e in range(self.num_experts) for j in (1, 2)]
         for i in range(self.cfg.num_layers):
             names += [f"decoder.layers.{i}.{n}" for n in (
                 "input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
-                "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight")]
+                "pre_mlp_layernorm.weight", *mlp)]
         return names
 
     def _ln(self, x: Tensor, prefix: str) -> Tensor:
@@ -73,15 +95,46 @@ class TorchGPT:
         ctx = (probs @ v).transpose(1, 2).reshape(b, s, nh * hn)
         return self._linear(ctx, p + ".linear_proj")
 
+    def _mlp(self, x: Tensor, p: str) -> Tensor:
+        return self._linear(F.gelu(self._linear(x, p + ".linear_fc1")), p + ".linear_fc2")
+
+    def _route(self, x: Tensor, p: str) -> tuple[Tensor, Tensor]:
+        """x: [t, h] -> (probs [t, k] fp32, experts [t, k] int64), as TopKRouter in fp32."""
+        logits = F.linear(x.float(), self.w[p + ".router.weight"].float(), None)  # moe_router_dtype=fp32
+        if self.pre_softmax:
+            return torch.topk(torch.softmax(logits, -1), self.topk, dim=-1)
+        top, experts = torch.topk(logits, self.topk, dim=-1)
+        return torch.softmax(top, -1), experts
+
+    def _moe(self, x: Tensor, p: str) -> Tensor:
+        """megatron's MoELayer with SequentialMLP experts: each token's output is the sum over its
+        k experts of fc2(gelu(fc1(x)) * prob); the router prob scales the activation (and an fc2 bias)."""
+        flat = x.reshape(-1, x.shape[-1])
+        probs, experts = self._route(flat, p)
+        out = torch.zeros_like(flat)
+        for e in range(self.num_experts):
+            tok, slot = (experts == e).nonzero(as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            q = f"{p}.experts.local_experts.{e}"
+            scale = probs[tok, slot].unsqueeze(-1)
+            act = (F.gelu(self._linear(flat[tok], q + ".linear_fc1")) * scale).to(flat.dtype)
+            y = F.linear(act, self.w[q + ".linear_fc2.weight"])
+            bias = self.w.get(q + ".linear_fc2.bias")
+            if bias is not None:
+                y = (y + bias * scale).to(flat.dtype)
+            out.index_add_(0, tok, y)
+        return out.view_as(x)
+
     @torch.no_grad()
     def logits(self, tokens: Tensor) -> Tensor:
         """tokens: [b, s] int64 -> logits [b, s, vocab] in the model dtype."""
         s = tokens.shape[1]
         pos = torch.arange(s, device=tokens.device)
         h = self.w["embedding.word_embeddings.weight"][tokens] + self.w["embedding.position_embeddings.weight"][pos]
+        mlp = self._mlp if self.num_experts is None else self._moe
         for i in range(self.cfg.num_layers):
             p = f"decoder.layers.{i}"
             h = h + self._attention(self._ln(h, p + ".input_layernorm"), p + ".self_attention")
-            m = F.gelu(self._linear(self._ln(h, p + ".pre_mlp_layernorm"), p + ".mlp.linear_fc1"))
-            h = h + self._linear(m, p + ".mlp.linear_fc2")
+            h = h + mlp(self._ln(h, p + ".pre_mlp_layernorm"), p + ".mlp")
         return F.linear(self._ln(h, "decoder.final_layernorm"), self.w["output_layer.weight"])

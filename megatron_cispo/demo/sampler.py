@@ -6,7 +6,8 @@
 As in a fully-async system it never reads the trainer's live parameters: it keeps the synced
 versions in a queue, samples with its own temperature and precision (e.g. bf16 against an
 fp32 trainer) and returns its per-token logprobs. Every rank generates the whole global batch
-from generators keyed by (seed, step, global sample index) and keeps its DP shard.
+from generators keyed by (seed, step, global sample index) and keeps its DP shard. Variable-length
+tasks still sample answer_len tokens per row; a row ends at its first EOS (`Batch.lengths`).
 """
 from __future__ import annotations
 
@@ -16,27 +17,28 @@ import torch
 from torch import Tensor
 
 from .gpt import TorchGPT
-from .task import Task, group_advantages, keyed_generator
+from .task import PAD, Task, group_advantages, keyed_generator
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True, kw_only=True)
 class Batch:
-    """A global rollout batch of n = prompts * group sequences (total_len tokens each)."""
+    """A global rollout batch of n = prompts * group sequences (up to total_len tokens each)."""
 
-    tokens: Tensor            # [n, total_len] int64
-    loss_mask: Tensor         # [n, total_len - 1] bool
-    rollout_logprobs: Tensor  # [n, total_len - 1] fp32 (0 outside the answer)
+    tokens: Tensor            # [n, total_len] int64, PAD at and past each row's length
+    lengths: Tensor           # [n] int64 real tokens per row (total_len for fixed-length tasks)
+    loss_mask: Tensor         # [n, total_len - 1] bool, the answer's targets inside the row
+    rollout_logprobs: Tensor  # [n, total_len - 1] fp32 (0 where loss_mask is False)
     rewards: Tensor           # [n] fp32
-    advantages: Tensor        # [n] fp32
+    advantages: Tensor        # [n] fp32, or [n, total_len - 1] for credit="token"
     correct: Tensor           # [n, answer_len] bool
     version: int              # policy version that sampled it
 
     def rollout_fields(self) -> dict[str, Tensor]:
-        """The global batch as policy_step.Rollouts fields; Rollouts.dp_shard splits it over DP."""
-        return {"tokens": self.tokens, "loss_mask": self.loss_mask, "advantages": self.advantages,
-                "rollout_logprobs": self.rollout_logprobs}
+        """The global batch as step.Rollouts fields; Rollouts.dp_shard splits it over DP."""
+        return {"tokens": self.tokens, "lengths": self.lengths, "loss_mask": self.loss_mask,
+                "advantages": self.advantages, "rollout_logprobs": self.rollout_logprobs}
 
 
 class Sampler:
@@ -87,18 +89,21 @@ class Sampler:
         g, p = self.cfg.group_size, self.cfg.prompts_per_step
         prompts = self.task.prompts(self.seed, step, p).repeat_interleave(g, 0)
         tokens, answer_lp = self.generate(self.engine(version), prompts, step)
+        lengths = self.task.lengths(tokens)  # a variable-length row ends at its first EOS
+        tokens = tokens.masked_fill(torch.arange(tokens.shape[1]) >= lengths[:, None], PAD)
         rewards, correct = self.task.rewards(tokens)
-        mask = self.task.loss_mask(tokens.shape[0])
+        mask = self.task.loss_mask(lengths)
         a = self.task.answer_len
         rollout_lp = torch.zeros(mask.shape)
         rollout_lp[:, -a:] = answer_lp
+        rollout_lp.masked_fill_(~mask, 0.0)  # the tokens sampled after EOS are not part of the row
         if self.cfg.credit == "token":
             advantages = torch.zeros(mask.shape)
             advantages[:, -a:] = group_advantages(correct.float(), g)
         else:
             advantages = group_advantages(rewards, g)
-        return Batch(tokens=tokens, loss_mask=mask, rollout_logprobs=rollout_lp, rewards=rewards,
-                     advantages=advantages, correct=correct, version=version)
+        return Batch(tokens=tokens, lengths=lengths, loss_mask=mask, rollout_logprobs=rollout_lp,
+                     rewards=rewards, advantages=advantages, correct=correct, version=version)
 
     def state_dict(self) -> dict:
         return {"versions": self.versions}
