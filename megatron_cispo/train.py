@@ -51,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
         return _report(args.config, e)
     if args.check:
         print(dump_yaml(cfg), end="")
-        print(f"# ok: {world} processes = tp {cfg.parallelism.tp} x pp {cfg.parallelism.pp} x dp {dp}")
+        p = cfg.parallelism
+        extra = (f" x cp {p.cp}" if p.cp > 1 else "") + (f" (ep {p.ep})" if p.ep > 1 else "")
+        print(f"# ok: {world} processes = tp {p.tp} x pp {p.pp} x dp {dp}{extra}")
         return 0
     from .demo.loop import run
 

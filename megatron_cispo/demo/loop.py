@@ -27,7 +27,7 @@ def _set_lr(optimizer, lr: float) -> None:
 
 def _record(step: int, batch, metrics: dict, cfg: ExperimentConfig, lr: float, dt: float, elapsed: float) -> dict:
     rec = {"step": step + 1, "reward_mean": batch.rewards.mean().item(),
-           "exact_match": batch.correct.all(1).float().mean().item(),
+           "exact_match": (batch.rewards == 1).float().mean().item(),  # a reward is 1 only for an exact answer
            "position_acc": batch.correct.float().mean().item(),
            **headline(metrics, cfg.loss.policy_loss),
            "policy_version_lag": step - batch.version, "sampler_version": batch.version, "lr": lr}
@@ -48,23 +48,25 @@ def run(cfg: ExperimentConfig) -> None:
     from megatron.core import parallel_state as mpu
 
     from ..runner import distributed
-    from ..runner.model import build_model, build_optimizer, gather_full_state
+    from ..runner.model import build_model, build_optimizer
+    from ..runner.weights import gather_full_state
     from ..step import Rollouts, StepConfig, policy_step
 
     p = cfg.parallelism
     try:
-        env = distributed.init_distributed(tp=p.tp, pp=p.pp, vp=p.vp, seed=cfg.run.seed)
+        env = distributed.init_distributed(tp=p.tp, pp=p.pp, vp=p.vp, cp=p.cp, ep=p.ep, seed=cfg.run.seed)
     except ValueError as e:  # a layout this runtime cannot run; raised identically on every rank
         raise ConfigError(f"parallelism: {e}") from e
     try:
         torch.manual_seed(cfg.run.seed)
-        chunks = build_model(cfg.model, tp=p.tp, pp=p.pp, vp=p.vp, seed=cfg.run.seed)
+        chunks = build_model(cfg.model, tp=p.tp, pp=p.pp, vp=p.vp, cp=p.cp, ep=p.ep,
+                             sequence_parallel=p.sequence_parallel, seed=cfg.run.seed)
         o = cfg.optimizer
         optimizer = build_optimizer(chunks, lr=o.lr, optimizer=o.name, weight_decay=o.weight_decay,
                                     clip_grad=o.clip_grad, adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2,
                                     bf16=cfg.model.dtype == "bf16")
         sampler = Sampler(cfg.model, cfg.rollout, seed=cfg.run.seed, device=env.device)
-        layout = {"tp": p.tp, "pp": p.pp, "vp": p.vp, "world_size": env.world_size}
+        layout = {"tp": p.tp, "pp": p.pp, "vp": p.vp, "cp": p.cp, "ep": p.ep, "world_size": env.world_size}
         start = 0
         last = checkpoint.last_complete(cfg.run.run_dir) if cfg.run.resume else None
         if last is not None:
@@ -72,7 +74,8 @@ def run(cfg: ExperimentConfig) -> None:
                                     layout=layout)
         else:
             sampler.sync(0, gather_full_state(chunks))  # version 0: the initial weights
-        step_cfg = StepConfig(micro_batch_size=p.micro_batch_size, temperature=cfg.rollout.temperature)
+        step_cfg = StepConfig(micro_batch_size=p.micro_batch_size, temperature=cfg.rollout.temperature,
+                              max_tokens_per_microbatch=p.max_tokens_per_microbatch)
         dp_rank, dp = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
         writer = None
         if env.rank == 0:
@@ -81,7 +84,8 @@ def run(cfg: ExperimentConfig) -> None:
                                    tensorboard=cfg.run.tensorboard)
             (writer.dir / "config.yaml").write_text(dump_yaml(cfg))
             resumed = f", resumed from {last}" if last is not None else ""
-            print(f"[{cfg.label}] world {env.world_size} = tp {p.tp} x pp {p.pp} x dp {dp} on {env.backend}; "
+            cp_ep = (f" x cp {p.cp}" if p.cp > 1 else "") + (f" (ep {p.ep})" if p.ep > 1 else "")
+            print(f"[{cfg.label}] world {env.world_size} = tp {p.tp} x pp {p.pp} x dp {dp}{cp_ep} on {env.backend}; "
                   f"{cfg.run.steps} steps, sampler lags {cfg.rollout.staleness} versions in "
                   f"{cfg.rollout.precision}{resumed}", flush=True)
         t_start = time.perf_counter()

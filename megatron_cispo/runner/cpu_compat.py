@@ -12,7 +12,10 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.overrides import TorchFunctionMode
+
+_MISSING = object()
 
 
 def _is_accel(device) -> bool:
@@ -54,13 +57,57 @@ def _clip_grads_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
             g.detach().mul_(clip_coeff)
 
 
+def _in_redirect_mode(apply):
+    """Wrap BackwardCFunction.apply, which the autograd engine calls to run a custom Function's
+    backward, so that the backward runs under the redirect mode: the engine runs backward with an
+    empty torch-function mode stack, so entering the mode around Tensor.backward does not help.
+    Tensor and grad-accumulator hooks still run without it."""
+
+    def wrapped(self, *args):
+        with _RedirectCudaDevice():
+            return apply(self, *args)
+
+    return wrapped
+
+
+def _alltoall_splits_to_host(self, point, tokens_per_expert=None):
+    """CPU stand-in for MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize: no streams; at
+    the DtoH point hand the split sizes on as numpy, as the CUDA path does (all_to_all_single
+    takes sequences of ints, not tensors)."""
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, name)
+            if torch.is_tensor(value):
+                setattr(self, name, value.numpy())
+    return tokens_per_expert
+
+
+def _gather_uneven_on_gloo(gather_along_first_dim):
+    """Wrap mappings._gather_along_first_dim: gloo's all_gather needs equal sizes, so pad every
+    rank's piece to the largest, gather, and cut the padding off."""
+
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        sizes = None if output_split_sizes is None else [int(n) for n in output_split_sizes]
+        if sizes is None or group.size() == 1 or len(set(sizes)) == 1:
+            return gather_along_first_dim(input_, group, output_split_sizes, use_global_buffer)
+        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(parts, padded, group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+
+    return gather
+
+
 class CpuCompat(contextlib.AbstractContextManager):
     """Scoped patches that make megatron-core 0.16.1 run on CPU over gloo.
 
     Covers: `device="cuda"` factories (schedules' token counters, causal masks, grad-norm
-    buffers), `torch.cuda.current_device/synchronize`, the model-parallel RNG tracker (backed
-    by the CPU generator), and grad clipping. Never active when CUDA is available: then
-    entering is a no-op and `active` stays False.
+    buffers), also inside custom autograd Functions' backward; `torch.cuda.current_device/
+    synchronize`; the model-parallel RNG tracker (backed by the CPU generator); grad clipping;
+    and for MoE: the router's TE GEMM hook, the alltoall dispatcher's CUDA streams, and uneven
+    TP all-gathers, which gloo lacks. Never active when CUDA is available: then entering is a
+    no-op and `active` stays False.
     """
 
     def __init__(self):
@@ -69,7 +116,7 @@ class CpuCompat(contextlib.AbstractContextManager):
         self._mode: _RedirectCudaDevice | None = None
 
     def _patch(self, owner, name, value):
-        self._saved.append((owner, name, getattr(owner, name)))
+        self._saved.append((owner, name, getattr(owner, name, _MISSING)))
         setattr(owner, name, value)
 
     def __enter__(self):
@@ -78,7 +125,9 @@ class CpuCompat(contextlib.AbstractContextManager):
         if torch.cuda.is_available():
             return self
         from megatron.core.optimizer import optimizer as mcore_optimizer
+        from megatron.core.tensor_parallel import mappings
         from megatron.core.tensor_parallel import random as mcore_random
+        from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
         self._patch(torch.cuda, "current_device", lambda: 0)
         self._patch(torch.cuda, "synchronize", lambda *a, **k: None)
@@ -88,6 +137,18 @@ class CpuCompat(contextlib.AbstractContextManager):
         self._patch(mcore_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
         self._patch(mcore_random, "_set_cuda_rng_state", lambda s, *a, **k: torch.set_rng_state(s))
         self._patch(mcore_optimizer, "clip_grad_by_total_norm_fp32", _clip_grads_cpu)
+        # backward of mappings._AllToAll (ep) and layers.LinearWithGradAccumulationAndAsyncCommunication (sp)
+        self._patch(BackwardCFunction, "apply", _in_redirect_mode(BackwardCFunction.apply))
+        if not hasattr(moe_utils, "te_general_gemm"):
+            # moe_utils.RouterGatingLinearFunction reads te_general_gemm, which is unbound without TE
+            self._patch(moe_utils, "te_general_gemm", None)
+        # MoEAlltoAllTokenDispatcher.__init__ makes torch.cuda.Stream() unless this is set
+        self._patch(token_dispatcher.MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", object())
+        # MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize: CUDA streams and events
+        self._patch(token_dispatcher.MoEAlltoAllTokenDispatcher, "_maybe_dtoh_and_synchronize",
+                    _alltoall_splits_to_host)
+        # mappings._gather_along_first_dim with output_split_sizes (alltoall dispatcher, tp x ep > 1)
+        self._patch(mappings, "_gather_along_first_dim", _gather_uneven_on_gloo(mappings._gather_along_first_dim))
         self._mode = _RedirectCudaDevice()
         self._mode.__enter__()
         self.active = True
@@ -98,7 +159,10 @@ class CpuCompat(contextlib.AbstractContextManager):
             self._mode.__exit__(*exc)
             self._mode = None
         for owner, name, value in reversed(self._saved):
-            setattr(owner, name, value)
+            if value is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
         self._saved.clear()
         self.active = False
         return False

@@ -1,6 +1,6 @@
 """Process groups and megatron parallel state for our runner, demo and tests.
 
-`init_distributed(tp=, pp=, ...)` reads torchrun's environment, picks NCCL on CUDA and
+`init_distributed(tp=, pp=, cp=, ep=, ...)` reads torchrun's environment, picks NCCL on CUDA and
 gloo otherwise, builds megatron-core's parallel state, and (on CPU only) enters
 `CpuCompat` (cpu_compat.py). `shutdown()` undoes all of it. Library code never calls these:
 a Megatron training loop brings its own process groups.
@@ -30,6 +30,7 @@ class DistEnv:
     pp: int
     dp: int
     cp: int
+    ep: int
     vp: int | None
     compat: CpuCompat
 
@@ -38,12 +39,13 @@ _ENV: DistEnv | None = None
 
 
 def init_distributed(
-    *, tp: int = 1, pp: int = 1, cp: int = 1, vp: int | None = None,
+    *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, vp: int | None = None,
     seed: int = 1234, timeout_s: int = 300, backend: str | None = None,
 ) -> DistEnv:
     """Init torch.distributed from torchrun's env (RANK, WORLD_SIZE, MASTER_ADDR/PORT) and
-    megatron parallel state; dp = world_size // (tp * pp * cp). Single process without env
-    vars works too (world size 1 on 127.0.0.1)."""
+    megatron parallel state; dp = world_size // (tp * pp * cp). Expert layers are split over
+    ep ranks with expert TP = tp (megatron's default), so world_size must also be a multiple of
+    tp * ep * pp. Single process without env vars works too (world size 1 on 127.0.0.1)."""
     global _ENV
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
@@ -53,13 +55,18 @@ def init_distributed(
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    for name, v in (("tp", tp), ("pp", pp), ("cp", cp)):
+    for name, v in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     if world % (tp * pp * cp):
         raise ValueError(
             f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}; "
             f"launch a multiple of {tp * pp * cp} processes")
+    if world % (tp * ep * pp):
+        # megatron's expert rank grid: expert TP (= tp) x ep x pp must tile the world
+        raise ValueError(
+            f"world size {world} is not divisible by tp*ep*pp = {tp}*{ep}*{pp} (the expert layers' "
+            f"layout); launch a multiple of {tp * ep * pp} processes")
     if vp is not None and pp < 2:
         raise ValueError(f"vp={vp} (virtual pipeline stages) needs pp >= 2, got pp={pp}")
     cuda = torch.cuda.is_available()
@@ -85,13 +92,14 @@ def init_distributed(
         mpu.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=vp, context_parallel_size=cp,
+            expert_model_parallel_size=ep,
             distributed_timeout_minutes=max(1, timeout_s // 60))
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     except BaseException:
         compat.__exit__(None, None, None)
         raise
     _ENV = DistEnv(rank=rank, world_size=world, local_rank=local_rank, backend=backend,
-                   device=device, tp=tp, pp=pp, dp=world // (tp * pp * cp), cp=cp, vp=vp,
+                   device=device, tp=tp, pp=pp, dp=world // (tp * pp * cp), cp=cp, ep=ep, vp=vp,
                    compat=compat)
     return _ENV
 

@@ -30,15 +30,29 @@ class ParallelConfig:
     tp: int = config_field(1, "Tensor-parallel size.")
     pp: int = config_field(1, "Pipeline-parallel size.")
     vp: Optional[int] = config_field(None, "Virtual pipeline stages per rank (interleaved 1F1B); needs pp >= 2.")
-    micro_batch_size: int = config_field(8, "Sequences per microbatch per data-parallel rank.")
+    cp: int = config_field(1, "Context-parallel size: each sequence is split into 2*cp load-balanced chunks.")
+    ep: int = config_field(1, "Expert-parallel size (MoE models): experts are split over ep data-parallel ranks.")
+    sequence_parallel: bool = config_field(False, "Megatron sequence parallelism (needs tp >= 2).")
+    micro_batch_size: int = config_field(8, "Sequences per microbatch per data-parallel rank (padded mode).")
+    max_tokens_per_microbatch: Optional[int] = config_field(
+        None, "Pack sequences into [1, T] microbatches of at most this many tokens (first-fit decreasing); "
+        "null = padded microbatches of micro_batch_size rows. cp > 1 needs packing.")
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "micro_batch_size"):
+        for name in ("tp", "pp", "cp", "ep", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallelism.{name} must be >= 1, got {getattr(self, name)}")
         if self.vp is not None and (self.vp < 1 or self.pp < 2):
             raise ValueError(f"parallelism.vp={self.vp} needs vp >= 1 and pp >= 2 (pp={self.pp}); "
                              "set vp: null for the plain 1F1B schedule")
+        if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
+            raise ValueError(f"parallelism.max_tokens_per_microbatch must be >= 1 or null, "
+                             f"got {self.max_tokens_per_microbatch}")
+        if self.cp > 1 and self.max_tokens_per_microbatch is None:
+            raise ValueError(f"parallelism.cp={self.cp} needs packed microbatches: set "
+                             "parallelism.max_tokens_per_microbatch")
+        if self.sequence_parallel and self.tp < 2:
+            raise ValueError(f"parallelism.sequence_parallel needs tp >= 2, got tp={self.tp}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,10 +89,11 @@ class OptimizerConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
-    task: Literal["copy", "reverse", "sort", "add"] = config_field(
-        "reverse", "Synthetic task: answer = the digits copied, reversed, sorted, or a+b (LSB first).")
+    task: Literal["copy", "reverse", "sort", "add", "dedup"] = config_field(
+        "reverse", "Synthetic task: answer = the digits copied, reversed, sorted, or a+b (LSB first); "
+        "dedup: the distinct digits in increasing order, then EOS (variable length).")
     digits: int = config_field(4, "Digits per prompt operand.")
-    base: int = config_field(10, "Digit alphabet size; the task uses base + 3 token ids.")
+    base: int = config_field(10, "Digit alphabet size; the task uses base + 4 token ids.")
     reward: Literal["per_position", "exact_match"] = config_field(
         "per_position", "Fraction of answer positions right, or 1 only when all are.")
     credit: Literal["sequence", "token"] = config_field(
@@ -98,6 +113,8 @@ class RolloutConfig:
             raise ValueError(f"rollout.temperature must be > 0, got {self.temperature}")
         if self.credit == "token" and self.reward != "per_position":
             raise ValueError(f"rollout.credit='token' needs rollout.reward='per_position', got {self.reward!r}")
+        if self.credit == "token" and self.variable_length:
+            raise ValueError(f"rollout.credit='token' needs a fixed-length task, got task={self.task!r}")
 
     @property
     def batch_size(self) -> int:
@@ -105,12 +122,18 @@ class RolloutConfig:
 
     # Sequence geometry of the task, [BOS] prompt [SEP] answer; the demo's Task reads it from here.
     @property
+    def variable_length(self) -> bool:
+        """Answers end at an EOS token, so sequences differ in length."""
+        return self.task == "dedup"
+
+    @property
     def prompt_len(self) -> int:
         return 2 * self.digits + 1 if self.task == "add" else self.digits
 
     @property
     def answer_len(self) -> int:
-        return self.digits + 1 if self.task == "add" else self.digits
+        """Answer tokens (the most a variable-length answer may take, EOS included)."""
+        return self.digits + 1 if self.task in ("add", "dedup") else self.digits
 
     @property
     def total_len(self) -> int:
@@ -119,8 +142,8 @@ class RolloutConfig:
 
     @property
     def vocab_size(self) -> int:
-        """Digits 0..base-1, then BOS, SEP and PLUS."""
-        return self.base + 3
+        """Digits 0..base-1, then BOS, SEP, PLUS and EOS."""
+        return self.base + 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,7 +174,10 @@ class ExperimentConfig:
     run: RunConfig = config_field(factory=RunConfig, doc="Steps, seed, outputs, checkpoints.")
 
     def __post_init__(self) -> None:
-        r = self.rollout
+        r, p = self.rollout, self.parallelism
+        if p.max_tokens_per_microbatch is not None and p.max_tokens_per_microbatch < r.total_len - 1:
+            raise ValueError(f"parallelism.max_tokens_per_microbatch={p.max_tokens_per_microbatch} is smaller than "
+                             f"one sequence of task {r.task!r} ({r.total_len - 1} tokens)")
         if self.model.vocab_size < r.vocab_size:
             raise ValueError(f"model.vocab_size={self.model.vocab_size} is too small for task "
                              f"{r.task!r} with base {r.base}: needs >= {r.vocab_size}")
@@ -159,7 +185,7 @@ class ExperimentConfig:
             raise ValueError(f"model.seq_length={self.model.seq_length} is too short for task "
                              f"{r.task!r} with {r.digits} digits: needs >= {r.total_len - 1}")
         p = self.parallelism
-        self.model.check_layout(tp=p.tp, pp=p.pp, vp=p.vp)
+        self.model.check_layout(tp=p.tp, pp=p.pp, vp=p.vp, cp=p.cp, ep=p.ep, sequence_parallel=p.sequence_parallel)
         try:  # the registry's rules (unknown loss, rollout anchor + TIS), once per experiment
             check_loss_config(self.loss)
         except ValueError as e:
@@ -243,14 +269,23 @@ def load_experiment(path: str | os.PathLike, overrides: list[str] | tuple[str, .
 def resolve_world(cfg: ExperimentConfig, world_size: int) -> int:
     """Data-parallel size for `world_size` ranks; ConfigError when the batch or layout does not fit."""
     p, r = cfg.parallelism, cfg.rollout
-    if world_size % (p.tp * p.pp):
-        raise ConfigError(f"parallelism: world size {world_size} is not divisible by tp*pp = {p.tp}*{p.pp}; "
-                          f"launch a multiple of {p.tp * p.pp} processes or change parallelism.tp/pp")
-    dp = world_size // (p.tp * p.pp)
-    if r.batch_size % (dp * p.micro_batch_size):
+    if world_size < 1:
+        raise ConfigError(f"world size must be >= 1, got {world_size}")
+    model_parallel = p.tp * p.pp * p.cp
+    if world_size % model_parallel:
+        raise ConfigError(f"parallelism: world size {world_size} is not divisible by tp*pp*cp = "
+                          f"{p.tp}*{p.pp}*{p.cp}; launch a multiple of {model_parallel} processes or change "
+                          "parallelism.tp/pp/cp")
+    dp = world_size // model_parallel
+    if (dp * p.cp) % p.ep:
+        raise ConfigError(f"parallelism.ep={p.ep} must divide dp*cp = {dp}*{p.cp} (world size {world_size})")
+    if p.max_tokens_per_microbatch is None and r.batch_size % (dp * p.micro_batch_size):
         raise ConfigError(
             f"rollout: prompts_per_step*group_size = {r.prompts_per_step}*{r.group_size} = {r.batch_size} must "
             f"be divisible by dp*parallelism.micro_batch_size = {dp}*{p.micro_batch_size} (world size {world_size})")
+    if r.batch_size % dp:
+        raise ConfigError(f"rollout: prompts_per_step*group_size = {r.prompts_per_step}*{r.group_size} = "
+                          f"{r.batch_size} must be divisible by dp = {dp} (world size {world_size})")
     return dp
 
 

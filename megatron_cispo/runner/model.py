@@ -1,17 +1,21 @@
-"""Build a megatron-core GPTModel, its DDP wrapper and optimizer, with layout-independent init.
+"""Build a megatron-core GPTModel (dense or MoE), its DDP wrapper and optimizer, with layout-independent init.
 
-`build_model(cfg, dist_env)` returns the list of DDP-wrapped model chunks for this rank's
-pipeline stage(s); `build_optimizer(cfg, chunks)` the megatron optimizer. Weights are drawn
-per parameter from a seed keyed by the parameter's *global* name and then sliced to this
-rank's TP shard, so every (tp, pp, dp) layout starts from the same model.
+`build_model(cfg, tp=, pp=, ...)` returns the list of DDP-wrapped model chunks for this rank's
+pipeline stage(s); `build_optimizer(chunks, ...)` the megatron optimizer. Weights are drawn
+per parameter from a seed keyed by the parameter's *global* name (global layer and expert index)
+and then sliced to this rank's TP / expert-TP shard (weights.py), so every (tp, pp, dp, ep, sp)
+layout starts from the same model; `weights.gather_full_state` inverts that. Layer specs: specs.py.
 """
 from __future__ import annotations
 
-import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+
+from .specs import block_spec, grouped_gemm, layer_spec
+from .weights import init_layout_independent
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,6 +32,13 @@ class ModelConfig:
     transformer_impl: Literal["local", "te"] = field(
         default="local", metadata={"doc": "layer spec: megatron-core local modules or Transformer Engine"})
     init_std: float = field(default=0.02, metadata={"doc": "normal init std for weight matrices"})
+    num_moe_experts: int | None = field(default=None, metadata={
+        "doc": "MoE experts per layer (a multiple of ep); None = dense MLP. MoE layers have no linear biases"})
+    moe_router_topk: int = field(default=2, metadata={
+        "doc": "experts per token, 1..num_moe_experts (top-1 takes the softmax over all experts first)"})
+    moe_aux_loss_coeff: float = field(default=0.0, metadata={
+        "doc": "load-balancing aux loss coefficient (megatron's aux_loss); 0 = off"})
+    moe_z_loss_coeff: float = field(default=0.0, metadata={"doc": "router z-loss coefficient; 0 = off"})
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_length", "hidden_size", "num_layers", "num_attention_heads"):
@@ -36,22 +47,80 @@ class ModelConfig:
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"model.hidden_size={self.hidden_size} is not divisible by "
                              f"model.num_attention_heads={self.num_attention_heads}")
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"model.{name} must be finite and >= 0, got {v}")
+        if self.num_moe_experts is None:
+            for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+                if getattr(self, name):
+                    raise ValueError(f"model.{name}={getattr(self, name)} needs an MoE model; "
+                                     "set model.num_moe_experts or leave it 0")
+            return
+        if self.num_moe_experts < 1:
+            raise ValueError(f"model.num_moe_experts must be >= 1 or None (dense), got {self.num_moe_experts}")
+        if not 1 <= self.moe_router_topk <= self.num_moe_experts:
+            raise ValueError(f"model.moe_router_topk must be in [1, model.num_moe_experts="
+                             f"{self.num_moe_experts}], got {self.moe_router_topk}")
 
-    def check_layout(self, *, tp: int, pp: int, vp: int | None) -> None:
-        """Raise ValueError when this model cannot be split over (tp, pp, vp)."""
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    def check_layout(self, *, tp: int, pp: int, vp: int | None, cp: int = 1, ep: int = 1,
+                     sequence_parallel: bool = False) -> None:
+        """Raise ValueError when this model cannot be split over (tp, pp, vp, cp, ep, sequence_parallel)."""
         if self.vocab_size % tp:
             raise ValueError(f"model.vocab_size={self.vocab_size} is not divisible by tp={tp}")
         if self.num_attention_heads % tp:
             raise ValueError(f"model.num_attention_heads={self.num_attention_heads} is not divisible by tp={tp}")
+        if self.ffn_size % tp:
+            raise ValueError(f"the MLP width {self.ffn_size} (model.ffn_hidden_size, default 4*hidden) "
+                             f"is not divisible by tp={tp}")
         if self.num_layers % (pp * (vp or 1)):
             raise ValueError(f"model.num_layers={self.num_layers} is not divisible by pp*vp={pp}*{vp or 1}")
+        if cp < 1:
+            raise ValueError(f"cp must be >= 1, got {cp}")
+        if sequence_parallel and tp < 2:
+            raise ValueError(f"sequence_parallel needs tp >= 2 (it splits the sequence over the TP "
+                             f"group), got tp={tp}")
+        if self.num_moe_experts is None:
+            if ep != 1:
+                raise ValueError(f"ep={ep} (expert parallelism) needs an MoE model; set model.num_moe_experts")
+            return
+        if ep < 1 or self.num_moe_experts % ep:
+            raise ValueError(f"model.num_moe_experts={self.num_moe_experts} is not divisible by ep={ep}")
+        if tp > 1 and not sequence_parallel:
+            # MoELayer.forward raises in training without it (megatron-core 0.16.1)
+            raise ValueError(f"an MoE model with tp={tp} needs sequence_parallel=True")
 
 
 def _torch_dtype(name: str) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
 
 
-def transformer_config(cfg: ModelConfig, *, tp: int, pp: int, vp: int | None = None, cp: int = 1):
+def _moe_kwargs(cfg: ModelConfig, ep: int) -> dict:
+    if cfg.num_moe_experts is None:
+        return {}
+    return dict(
+        num_moe_experts=cfg.num_moe_experts, moe_ffn_hidden_size=cfg.ffn_size,
+        expert_model_parallel_size=ep,
+        moe_router_topk=cfg.moe_router_topk,
+        moe_router_pre_softmax=cfg.moe_router_topk == 1,  # megatron refuses top-1 without it
+        moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+        moe_z_loss_coeff=cfg.moe_z_loss_coeff or None,  # megatron: None = off
+        moe_router_dtype="fp32",  # routing decisions in fp32 even for a bf16 model
+        # alltoall: dropless, takes variable sequence lengths (allgather refuses them), and is the
+        # usual choice with ep > 1; one dispatcher for every layout keeps layouts comparable.
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=grouped_gemm(cfg),
+        add_bias_linear=False,  # megatron-core 0.16.1 has expert biases only with expert TP = 1
+    )
+
+
+def transformer_config(cfg: ModelConfig, *, tp: int, pp: int, vp: int | None = None, cp: int = 1,
+                       ep: int = 1, sequence_parallel: bool = False):
     from megatron.core.transformer import TransformerConfig
 
     dtype = _torch_dtype(cfg.dtype)
@@ -60,6 +129,7 @@ def transformer_config(cfg: ModelConfig, *, tp: int, pp: int, vp: int | None = N
         num_attention_heads=cfg.num_attention_heads, ffn_hidden_size=cfg.ffn_hidden_size,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vp, context_parallel_size=cp,
+        sequence_parallel=sequence_parallel,
         pipeline_dtype=dtype, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=not torch.cuda.is_available(),
@@ -67,33 +137,42 @@ def transformer_config(cfg: ModelConfig, *, tp: int, pp: int, vp: int | None = N
         gradient_accumulation_fusion=False, bias_activation_fusion=False,
         masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         persist_layer_norm=False,
+        **_moe_kwargs(cfg, ep),
     )
 
 
-def _layer_spec(cfg: ModelConfig):
-    from megatron.core.models.gpt import gpt_layer_specs as specs
+def _check_parallel_state(*, tp: int, pp: int, cp: int, ep: int) -> None:
+    from megatron.core import parallel_state as mpu
 
-    if cfg.transformer_impl == "te":
-        return specs.get_gpt_layer_with_transformer_engine_spec()
-    return specs.get_gpt_layer_local_spec()
+    have = {"tp": mpu.get_tensor_model_parallel_world_size(), "pp": mpu.get_pipeline_model_parallel_world_size(),
+            "cp": mpu.get_context_parallel_world_size(), "ep": mpu.get_expert_model_parallel_world_size()}
+    want = {"tp": tp, "pp": pp, "cp": cp, "ep": ep}
+    if have != want:
+        diff = ", ".join(f"{k}={want[k]} (parallel state: {have[k]})" for k in want if want[k] != have[k])
+        raise ValueError(f"build_model got {diff}; pass init_distributed the same layout")
 
 
-def build_model(cfg: ModelConfig, *, tp: int, pp: int, vp: int | None = None, seed: int = 0,
-                wrap_ddp: bool = True):
-    """Return this rank's model chunks ([one per virtual stage]), DDP-wrapped by default."""
+def build_model(cfg: ModelConfig, *, tp: int, pp: int, vp: int | None = None, cp: int = 1, ep: int = 1,
+                sequence_parallel: bool = False, seed: int = 0, wrap_ddp: bool = True):
+    """Return this rank's model chunks ([one per virtual stage]), DDP-wrapped by default.
+
+    Needs megatron's parallel state for the same (tp, pp, cp, ep) (runner.distributed.init_distributed).
+    """
     from megatron.core import parallel_state as mpu
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
 
-    cfg.check_layout(tp=tp, pp=pp, vp=vp)
-    tcfg = transformer_config(cfg, tp=tp, pp=pp, vp=vp)
+    cfg.check_layout(tp=tp, pp=pp, vp=vp, cp=cp, ep=ep, sequence_parallel=sequence_parallel)
+    _check_parallel_state(tp=tp, pp=pp, cp=cp, ep=ep)
+    tcfg = transformer_config(cfg, tp=tp, pp=pp, vp=vp, cp=cp, ep=ep, sequence_parallel=sequence_parallel)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    layer = layer_spec(cfg)
     chunks = []
     for v in range(vp or 1):
         vp_stage = v if vp else None
         chunk = GPTModel(
-            config=tcfg, transformer_layer_spec=_layer_spec(cfg), vocab_size=cfg.vocab_size,
-            max_sequence_length=cfg.seq_length,
+            config=tcfg, transformer_layer_spec=block_spec(layer, tcfg, vp_stage),
+            vocab_size=cfg.vocab_size, max_sequence_length=cfg.seq_length,
             pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             share_embeddings_and_output_weights=False, parallel_output=True, vp_stage=vp_stage,
@@ -117,45 +196,6 @@ def build_model(cfg: ModelConfig, *, tp: int, pp: int, vp: int | None = None, se
     return wrapped
 
 
-def global_param_name(module: torch.nn.Module, name: str) -> str:
-    """Map a local parameter name to its layout-independent name (global layer index)."""
-    parts = name.split(".")
-    if "layers" in parts:
-        i = parts.index("layers")
-        owner = module.get_submodule(".".join(parts[: i + 2]))
-        parts[i + 1] = str(owner.layer_number - 1)
-    return ".".join(parts)
-
-
-def _seed_for(seed: int, name: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
-
-
-@torch.no_grad()
-def init_layout_independent(module: torch.nn.Module, *, seed: int, std: float) -> None:
-    """Fill every parameter from a generator keyed by its global name, then take the TP shard."""
-    from megatron.core import parallel_state as mpu
-
-    tp_rank = mpu.get_tensor_model_parallel_rank()
-    tp = mpu.get_tensor_model_parallel_world_size()
-    for name, p in module.named_parameters():
-        gname = global_param_name(module, name)
-        dim = getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else -1
-        full_shape = list(p.shape)
-        if dim >= 0:
-            full_shape[dim] *= tp
-        gen = torch.Generator().manual_seed(_seed_for(seed, gname))
-        if name.endswith("bias"):
-            full = torch.zeros(full_shape)
-        elif "layernorm" in name or name.endswith("norm.weight") or p.dim() == 1:
-            full = torch.ones(full_shape)
-        else:
-            full = torch.randn(full_shape, generator=gen) * std
-        if dim >= 0:
-            full = full.chunk(tp, dim=dim)[tp_rank]
-        p.copy_(full.to(dtype=p.dtype, device=p.device))
-
-
 def build_optimizer(chunks, *, lr: float, optimizer: str = "adam", weight_decay: float = 0.0,
                     clip_grad: float = 1.0, adam_beta1: float = 0.9, adam_beta2: float = 0.999,
                     bf16: bool = False):
@@ -169,31 +209,3 @@ def build_optimizer(chunks, *, lr: float, optimizer: str = "adam", weight_decay:
     return optimizer
 
 
-@torch.no_grad()
-def gather_full_state(chunks) -> dict[str, torch.Tensor]:
-    """All parameters under their global names, TP shards concatenated, from every PP stage.
-
-    Collective over the whole world (all ranks must call it); every rank gets the full dict.
-    """
-    import torch.distributed as dist
-    from megatron.core import parallel_state as mpu
-
-    tp_group = mpu.get_tensor_model_parallel_group()
-    tp = mpu.get_tensor_model_parallel_world_size()
-    local = {}
-    for chunk in chunks:
-        mod = getattr(chunk, "module", chunk)
-        for name, p in mod.named_parameters():
-            t = p.detach().float().cpu()
-            if getattr(p, "tensor_model_parallel", False) and tp > 1:
-                src = p.detach().float().contiguous()
-                parts = [torch.empty_like(src) for _ in range(tp)]
-                dist.all_gather(parts, src, group=tp_group)
-                t = torch.cat([x.cpu() for x in parts], dim=p.partition_dim)
-            local[global_param_name(mod, name)] = t
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, local)
-    full = {}
-    for d in everyone:
-        full.update(d)
-    return full

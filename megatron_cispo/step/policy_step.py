@@ -17,6 +17,7 @@ from ..config import LossConfig
 from ..losses import check_loss_config, required_inputs
 from ..losses.registry import missing_input_message
 from .forward import check_megatron_config, compute_logprobs, make_forward_step, run_schedule
+from .moe import moe_aux_loss_compensation
 from .packing import microbatches, step_layout
 from .pipeline import broadcast_object_from_last_stage, is_last_stage
 from .reduce import reduce_metrics
@@ -55,6 +56,7 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
     "step/forward_calls" (model forwards on this rank) and "step/microbatches" (per step, this rank).
     """
     from megatron.core import parallel_state as mpu
+    from megatron.core.utils import get_model_config
 
     check_megatron_config(chunks)
     check_loss_config(loss_cfg)
@@ -98,7 +100,8 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
             for c in chunks:
                 c.zero_grad_buffer()
             optimizer.zero_grad()
-            per_microbatch += run_schedule(chunks, forward_step, mbs, forward_only=False)
+            with moe_aux_loss_compensation(get_model_config(chunks[0])):
+                per_microbatch += run_schedule(chunks, forward_step, mbs, forward_only=False)
             ok, grad_norm, _ = optimizer.step()
             skipped += not ok  # a mixed-precision optimizer skips a step on overflow
             if grad_norm is not None:  # None when clip_grad=0 on the fp32 optimizer

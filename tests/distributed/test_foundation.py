@@ -18,7 +18,8 @@ def lm_step_worker(tp, pp):
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     from megatron_cispo.runner import distributed
-    from megatron_cispo.runner.model import ModelConfig, build_model, build_optimizer, gather_full_state
+    from megatron_cispo.runner.model import ModelConfig, build_model, build_optimizer
+    from megatron_cispo.runner.weights import gather_full_state
 
     distributed.init_distributed(tp=tp, pp=pp)
     cfg = ModelConfig(vocab_size=V, seq_length=S, hidden_size=32, num_layers=4, num_attention_heads=4)
@@ -92,7 +93,8 @@ def test_layout_matches_single_process(reference, tp, pp, dp):
 
 def _initial_worker():
     from megatron_cispo.runner import distributed
-    from megatron_cispo.runner.model import ModelConfig, build_model, gather_full_state
+    from megatron_cispo.runner.model import ModelConfig, build_model
+    from megatron_cispo.runner.weights import gather_full_state
 
     distributed.init_distributed(tp=1, pp=1)
     cfg = ModelConfig(vocab_size=V, seq_length=S, hidden_size=32, num_layers=4, num_attention_heads=4)

@@ -110,7 +110,7 @@ def test_unreadable_and_non_mapping_files_are_config_errors(tmp_path):
 
 
 @pytest.mark.parametrize("world, message", [
-    (3, "world size 3 is not divisible by tp\\*pp = 2\\*1"),
+    (3, "world size 3 is not divisible by tp\\*pp\\*cp = 2\\*1\\*1"),
     (12, "must be divisible by dp\\*parallelism.micro_batch_size = 6\\*16"),
 ])
 def test_world_size_must_fit_layout_and_batch(world, message):

@@ -1,0 +1,114 @@
+"""Layout-independent weights: every parameter under its global name, however the model is split.
+
+    init_layout_independent(chunk, seed=0, std=0.02)   # the same model on every (tp, pp, dp, ep) layout
+    full = gather_full_state(chunks)                   # every parameter, unsharded, on every rank
+A parameter's global name carries the global layer index and the global expert index; its value
+is drawn from a seed keyed by that name, then sliced to this rank's TP (or expert-TP) shard.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+
+import torch
+
+
+_GROUPED_EXPERT_PARAM = re.compile(r"(weight|bias)(\d+)")
+
+
+def global_param_name(module: torch.nn.Module, name: str) -> str:
+    """Map a local parameter name to its layout-independent name (global layer and expert index).
+
+    `decoder.layers.<i>` gets the global layer index; an expert's local index i (SequentialMLP
+    `experts.local_experts.<i>`, TEGroupedMLP `experts.linear_fc1.weight<i>`) becomes
+    ep_rank * num_local_experts + i.
+    """
+    from megatron.core.utils import get_pg_rank
+
+    parts = name.split(".")
+    if "layers" in parts:
+        i = parts.index("layers")
+        owner = module.get_submodule(".".join(parts[: i + 2]))
+        parts[i + 1] = str(owner.layer_number - 1)
+    if "experts" in parts:
+        j = parts.index("experts")
+        experts = module.get_submodule(".".join(name.split(".")[: j + 1]))
+        offset = get_pg_rank(experts.ep_group) * experts.num_local_experts
+        grouped = _GROUPED_EXPERT_PARAM.fullmatch(parts[-1])
+        if parts[j + 1] == "local_experts":
+            parts[j + 2] = str(offset + int(parts[j + 2]))
+        elif grouped:
+            parts[-1] = f"{grouped[1]}{offset + int(grouped[2])}"
+    return ".".join(parts)
+
+
+def _is_expert(name: str) -> bool:
+    return "experts" in name.split(".")
+
+
+def _shard_group(name: str):
+    """(group, size, rank) that shards this parameter: expert TP for experts, TP otherwise."""
+    from megatron.core import parallel_state as mpu
+
+    if _is_expert(name):
+        return (mpu.get_expert_tensor_parallel_group(), mpu.get_expert_tensor_parallel_world_size(),
+                mpu.get_expert_tensor_parallel_rank())
+    return (mpu.get_tensor_model_parallel_group(), mpu.get_tensor_model_parallel_world_size(),
+            mpu.get_tensor_model_parallel_rank())
+
+
+def _seed_for(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+@torch.no_grad()
+def init_layout_independent(module: torch.nn.Module, *, seed: int, std: float) -> None:
+    """Fill every parameter from a generator keyed by its global name, then take the TP shard
+    (the expert-TP shard for expert weights). Norms are 1, biases 0, matrices N(0, std^2)."""
+    for name, p in module.named_parameters():
+        gname = global_param_name(module, name)
+        _, size, rank = _shard_group(name)
+        dim = getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else -1
+        full_shape = list(p.shape)
+        if dim >= 0:
+            full_shape[dim] *= size
+        gen = torch.Generator().manual_seed(_seed_for(seed, gname))
+        if name.endswith("bias"):
+            full = torch.zeros(full_shape)
+        elif "layernorm" in name or name.endswith("norm.weight") or p.dim() == 1:
+            full = torch.ones(full_shape)
+        else:
+            full = torch.randn(full_shape, generator=gen) * std
+        if dim >= 0:
+            full = full.chunk(size, dim=dim)[rank]
+        p.copy_(full.to(dtype=p.dtype, device=p.device))
+
+
+@torch.no_grad()
+def gather_full_state(chunks) -> dict[str, torch.Tensor]:
+    """All parameters under their global names, from every PP stage and every EP rank.
+
+    TP shards are concatenated over the TP group (expert weights over the expert-TP group); the
+    per-rank dicts are then all-gathered over the whole world, which brings every stage's layers
+    and every EP rank's experts to every rank. Collective over the world (all ranks must call it).
+    """
+    import torch.distributed as dist
+
+    local = {}
+    for chunk in chunks:
+        mod = getattr(chunk, "module", chunk)
+        for name, p in mod.named_parameters():
+            t = p.detach().float().cpu()
+            group, size, _ = _shard_group(name)
+            if getattr(p, "tensor_model_parallel", False) and size > 1:
+                src = p.detach().float().contiguous()
+                parts = [torch.empty_like(src) for _ in range(size)]
+                dist.all_gather(parts, src, group=group)
+                t = torch.cat([x.cpu() for x in parts], dim=p.partition_dim)
+            local[global_param_name(mod, name)] = t
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, local)
+    full = {}
+    for d in everyone:
+        full.update(d)
+    return full
