@@ -33,10 +33,11 @@ class ParallelConfig:
     cp: int = config_field(1, "Context-parallel size: each sequence is split into 2*cp load-balanced chunks.")
     ep: int = config_field(1, "Expert-parallel size (MoE models): experts are split over ep data-parallel ranks.")
     sequence_parallel: bool = config_field(False, "Megatron sequence parallelism (needs tp >= 2).")
-    micro_batch_size: int = config_field(8, "Sequences per microbatch per data-parallel rank (padded mode).")
+    micro_batch_size: int = config_field(
+        8, "Sequences per microbatch per data-parallel rank; packed, the rows packed together (one or more bins).")
     max_tokens_per_microbatch: Optional[int] = config_field(
-        None, "Pack sequences into [1, T] microbatches of at most this many tokens (first-fit decreasing); "
-        "null = padded microbatches of micro_batch_size rows. cp > 1 needs packing.")
+        None, "Pack each micro_batch_size rows into [1, T] microbatches of at most this many tokens "
+        "(first-fit decreasing); null = pad them into one [b, s] microbatch. cp > 1 needs packing.")
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "ep", "micro_batch_size"):
@@ -279,7 +280,7 @@ def resolve_world(cfg: ExperimentConfig, world_size: int) -> int:
     dp = world_size // model_parallel
     if (dp * p.cp) % p.ep:
         raise ConfigError(f"parallelism.ep={p.ep} must divide dp*cp = {dp}*{p.cp} (world size {world_size})")
-    if p.max_tokens_per_microbatch is None and r.batch_size % (dp * p.micro_batch_size):
+    if r.batch_size % (dp * p.micro_batch_size):
         raise ConfigError(
             f"rollout: prompts_per_step*group_size = {r.prompts_per_step}*{r.group_size} = {r.batch_size} must "
             f"be divisible by dp*parallelism.micro_batch_size = {dp}*{p.micro_batch_size} (world size {world_size})")

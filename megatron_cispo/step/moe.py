@@ -1,13 +1,17 @@
-"""MoE aux-loss and z-loss scaling under TP x CP on megatron-core 0.16 (NVIDIA/Megatron-LM #1652).
+"""MoE z-loss (and aux-loss) scaling under TP x CP on megatron-core 0.16 (NVIDIA/Megatron-LM #1652).
 
-    with moe_aux_loss_compensation(model_config):   # around the forward/backward schedule
+    with moe_aux_loss_compensation(model_config, padding_mask=True):   # around the schedule
         run_schedule(...)
 
-With calculate_per_token_loss=True, megatron-core <= 0.16 attaches each router's aux loss (and
-z-loss) times the tokens *this* TP x CP rank routed, so the summed gradient comes out divided by
-the TP x CP group size; upstream PR #5047 multiplies the scale by that size. Until the installed
-megatron-core has the fix, the coefficients are multiplied by the TP x CP size while the
-schedule runs (the router reads them at forward time), then restored.
+With calculate_per_token_loss=True, megatron-core 0.16.1 divides the z-loss coefficient by the
+TP x CP size (router.py:486) and scales it by the tokens this rank routed (router.py:497), so its
+summed gradient comes out divided by TP x CP. The aux loss is scaled by `local_num_tokens`:
+without a padding mask that is this rank's count (moe_utils.py:231), the same bug; with one it is
+the whole TP x CP group's valid count (moe_utils.py:223-228 all-reduce the counts in place),
+which is already right. policy_step always passes the router a padding mask, so only the z-loss
+needs the factor there. Upstream PR #5047 changes the scale; until the installed megatron-core has
+it, the coefficients are multiplied while the schedule runs (the router reads them at forward
+time), then restored. tests/distributed/test_moe_aux_loss.py pins both against one process.
 """
 from __future__ import annotations
 
@@ -25,24 +29,26 @@ def _megatron_version() -> tuple[int, int]:
 
 
 def aux_loss_scale(config) -> int:
-    """The factor the installed megatron-core leaves out of MoE aux/z-loss gradients: the TP x CP
-    size on affected versions when the model routes tokens, else 1."""
+    """The factor the installed megatron-core leaves out of MoE z-loss gradients (and of aux-loss
+    gradients without a padding mask): the TP x CP size on affected versions, else 1."""
     if getattr(config, "num_moe_experts", None) is None or _megatron_version() >= FIXED_IN:
         return 1
     return config.tensor_model_parallel_size * config.context_parallel_size
 
 
 @contextlib.contextmanager
-def moe_aux_loss_compensation(config) -> Iterator[int]:
-    """Scale config.moe_aux_loss_coeff (a float or a per-type list) and moe_z_loss_coeff by
-    `aux_loss_scale(config)` for the duration of the block; yields the factor."""
+def moe_aux_loss_compensation(config, *, padding_mask: bool) -> Iterator[int]:
+    """Scale config.moe_z_loss_coeff, and config.moe_aux_loss_coeff (a float or a per-type list)
+    when the router gets no padding mask, by `aux_loss_scale(config)` for the duration of the
+    block; yields the factor."""
     factor = aux_loss_scale(config)
     if factor == 1:
         yield 1
         return
     saved = config.moe_aux_loss_coeff, config.moe_z_loss_coeff
     aux = saved[0]
-    config.moe_aux_loss_coeff = [c * factor for c in aux] if isinstance(aux, (list, tuple)) else aux * factor
+    if not padding_mask:
+        config.moe_aux_loss_coeff = [c * factor for c in aux] if isinstance(aux, (list, tuple)) else aux * factor
     config.moe_z_loss_coeff = None if saved[1] is None else saved[1] * factor
     try:
         yield factor

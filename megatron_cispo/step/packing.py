@@ -29,13 +29,13 @@ PER_TOKEN = ("loss_mask", "advantages", "rollout_logprobs", "old_logprobs", "ref
 @dataclass(frozen=True, kw_only=True)
 class Layout:
     """Where a microbatch runs. pad_multiple: every sequence is padded to a multiple of it (2*cp
-    under CP, times tp under sequence parallelism). fixed_tokens: every packed bin is exactly this
-    long (pipeline parallelism sends fixed shapes), None = each bin as long as its sequences."""
+    under CP, times tp under sequence parallelism). uniform: every packed bin of a schedule call is
+    padded to the longest one (pipeline parallelism sends fixed shapes between stages)."""
 
     cp: int = 1
     cp_rank: int = 0
     pad_multiple: int = 1
-    fixed_tokens: Optional[int] = None
+    uniform: bool = False
     padding_mask: bool = False  # hand the model the pad positions (MoE routers ignore them)
 
 
@@ -85,16 +85,27 @@ def _fields(batch: Rollouts, weights: tuple[Tensor, Tensor]) -> dict[str, Tensor
     return f
 
 
-def plan_bins(batch: Rollouts, budget: int, layout: Layout) -> list[list[int]]:
-    """Row indices of each packed microbatch: first-fit decreasing of the padded lengths."""
-    m = layout.pad_multiple
-    return first_fit_decreasing([_round_up(L, m) for L in batch.target_lengths().tolist()],
-                                layout.fixed_tokens or budget)
+def plan_bins(batch: Rollouts, budget: int, window: Optional[int] = None) -> list[list[int]]:
+    """Row indices of each packed microbatch: first-fit decreasing of the real lengths (at most
+    `budget` real tokens a bin) within each window of `window` consecutive rows (None: all rows).
+
+    The plan depends on nothing but the rows: a bin never spans two windows, and the CP / SP
+    padding added afterwards does not change it, so the same rows share a microbatch in every
+    layout, as padded microbatches do. (An MoE router's load-balancing loss is per microbatch.)
+    """
+    sizes = batch.target_lengths().tolist()
+    window = window or len(sizes) or 1
+    bins = []
+    for start in range(0, len(sizes), window):
+        part = first_fit_decreasing(sizes[start:start + window], budget)
+        bins += [[start + i for i in b] for b in part]
+    return bins
 
 
 def packed_microbatches(batch: Rollouts, weights: tuple[Tensor, Tensor], bins: list[list[int]], *,
                         layout: Layout) -> list[dict]:
-    """One [1, T_local] microbatch per bin of row indices (an empty bin is all padding).
+    """One [1, T_local] microbatch per bin of row indices (an empty bin is all padding). Each
+    sequence is padded to layout.pad_multiple, so a bin may exceed the budget by that padding.
 
     weights: (agg_weight, agg_share), [n, s] from losses.token_weights on the global batch.
     """
@@ -103,13 +114,14 @@ def packed_microbatches(batch: Rollouts, weights: tuple[Tensor, Tensor], bins: l
     m = layout.pad_multiple
     lengths = batch.target_lengths().tolist()
     padded = [_round_up(L, m) for L in lengths]
+    longest = max([sum(padded[i] for i in rows) for rows in bins] + [m])
     fields = _fields(batch, weights)
     dev, s = batch.tokens.device, batch.tokens.shape[1] - 1
     out = []
     for rows in bins:
         segs = [padded[i] for i in rows]
         real = [lengths[i] for i in rows]
-        total = layout.fixed_tokens or max(sum(segs), m)
+        total = longest if layout.uniform else max(sum(segs), m)
         if total > sum(segs):  # filler: one all-padding segment at the end
             real.append(total - sum(segs))
             segs.append(total - sum(segs))
@@ -194,11 +206,8 @@ def step_layout(chunks, step_cfg: StepConfig) -> Layout:
     cfg = get_model_config(chunks[0])
     cp, tp = mpu.get_context_parallel_world_size(), mpu.get_tensor_model_parallel_world_size()
     multiple = (2 * cp if cp > 1 else 1) * (tp if cfg.sequence_parallel else 1)
-    budget = step_cfg.max_tokens_per_microbatch
-    fixed = None
-    if budget is not None and mpu.get_pipeline_model_parallel_world_size() > 1:
-        fixed = -(-budget // multiple) * multiple  # p2p sends fixed shapes: every bin this long
-    return Layout(cp=cp, cp_rank=mpu.get_context_parallel_rank(), pad_multiple=multiple, fixed_tokens=fixed,
+    return Layout(cp=cp, cp_rank=mpu.get_context_parallel_rank(), pad_multiple=multiple,
+                  uniform=mpu.get_pipeline_model_parallel_world_size() > 1,
                   padding_mask=getattr(cfg, "num_moe_experts", None) is not None)
 
 
@@ -223,7 +232,7 @@ def microbatches(batch: Rollouts, loss_cfg: Optional[LossConfig], step_cfg: Step
     if step_cfg.max_tokens_per_microbatch is None:
         mbs = padded_microbatches(batch, (w, share), micro_batch_size=step_cfg.micro_batch_size, layout=layout)
     else:
-        bins = plan_bins(batch, step_cfg.max_tokens_per_microbatch, layout)
+        bins = plan_bins(batch, step_cfg.max_tokens_per_microbatch, step_cfg.micro_batch_size)
         count = torch.tensor([len(bins)], dtype=torch.int64, device=dev)
         if dist.is_initialized() and dist.get_world_size(dp_group) > 1:
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)  # EP all-to-all spans DP

@@ -43,8 +43,9 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
                 vocab_size: Optional[int] = None, ref_chunks=None, calls: Optional[list] = None) -> dict[str, float]:
     """Run one full RL update (minibatches x epochs, each an optimizer step) on DP-local `batch`.
 
-    Sequences are packed into [1, T] bins of at most step_cfg.max_tokens_per_microbatch tokens
-    (THD, split over CP), or padded micro_batch_size at a time. pi_old comes from
+    Each micro_batch_size rows are packed into [1, T] bins of at most
+    step_cfg.max_tokens_per_microbatch tokens (THD, split over CP), or padded into one [b, s]
+    microbatch; either way the same rows share a microbatch in every layout. pi_old comes from
     `batch.old_logprobs`, the training forward, or a forward-only pass, as `plan_old_logprobs`
     decides. With KL on and no `batch.ref_logprobs`, the reference model's `ref_chunks` (same
     layout) are scored in a forward-only pass through the same schedule.
@@ -71,7 +72,7 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
     if step_cfg.minibatch_size is not None and (step_cfg.minibatch_size % dp or (n * dp) % step_cfg.minibatch_size):
         raise ValueError(f"minibatch_size={step_cfg.minibatch_size} must divide the global batch "
                          f"({n} per rank x dp={dp}) and be a multiple of dp")
-    if step_cfg.max_tokens_per_microbatch is None and mini_local % step_cfg.micro_batch_size:
+    if mini_local % step_cfg.micro_batch_size:
         raise ValueError(f"micro_batch_size={step_cfg.micro_batch_size} must divide the per-rank "
                          f"minibatch of {mini_local} sequences")
     steps = step_cfg.epochs * (n // mini_local)
@@ -100,7 +101,7 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
             for c in chunks:
                 c.zero_grad_buffer()
             optimizer.zero_grad()
-            with moe_aux_loss_compensation(get_model_config(chunks[0])):
+            with moe_aux_loss_compensation(get_model_config(chunks[0]), padding_mask=layout.padding_mask):
                 per_microbatch += run_schedule(chunks, forward_step, mbs, forward_only=False)
             ok, grad_norm, _ = optimizer.step()
             skipped += not ok  # a mixed-precision optimizer skips a step on overflow

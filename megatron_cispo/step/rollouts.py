@@ -92,7 +92,8 @@ class Rollouts:
 class StepConfig:
     """How one batch of rollouts becomes optimizer steps."""
 
-    micro_batch_size: int = field(default=1, metadata={"doc": "sequences per microbatch per DP rank"})
+    micro_batch_size: int = field(default=1, metadata={
+        "doc": "rows per microbatch per DP rank; packed: rows packed together into one or more bins"})
     minibatch_size: Optional[int] = field(
         default=None, metadata={"doc": "global sequences per optimizer step; None = the whole batch (one step)"})
     epochs: int = field(default=1, metadata={"doc": "passes over the batch"})
@@ -100,8 +101,8 @@ class StepConfig:
     old_logprob_pass: Literal["auto", "always"] = field(
         default="auto", metadata={"doc": "auto skips the pi_old pass when it cannot matter"})
     max_tokens_per_microbatch: Optional[int] = field(
-        default=None, metadata={"doc": "pack sequences into [1, T] microbatches of at most this many "
-                                       "tokens (first-fit decreasing); None = pad micro_batch_size rows"})
+        default=None, metadata={"doc": "pack each micro_batch_size rows into [1, T] microbatches of at most "
+                                       "this many tokens (first-fit decreasing); None = pad the rows"})
 
     def __post_init__(self):
         for name in ("micro_batch_size", "epochs"):

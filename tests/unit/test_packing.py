@@ -79,13 +79,15 @@ def test_packed_microbatches_shift_before_the_split_and_cover_every_token_once(c
     multiple = (2 * cp if cp > 1 else 1) * sp_tp
     w = token_weights(batch.loss_mask, "token_mean")[:2]
     all_mbs = []
+    bins = plan_bins(batch, 16)
+    assert all(sum(int(batch.lengths[i]) - 1 for i in b) <= 16 for b in bins)
     for r in range(cp):
         layout = Layout(cp=cp, cp_rank=r, pad_multiple=multiple)
-        bins = plan_bins(batch, 16, layout)
         mbs = packed_microbatches(batch, w, bins, layout=layout)
-        for mb in mbs:
+        for mb, rows in zip(mbs, bins):
             t_local = mb["input_ids"].shape[1]
-            assert mb["input_ids"].shape[0] == 1 and t_local * cp == mb["seq_length"] <= 16
+            padded = sum(-(-(int(batch.lengths[i]) - 1) // multiple) * multiple for i in rows)
+            assert mb["input_ids"].shape[0] == 1 and t_local * cp == mb["seq_length"] == padded
             assert t_local % sp_tp == 0  # sequence parallelism scatters the local tokens over TP
             cu = mb["packed_seq_params"].cu_seqlens_q_padded
             assert int(cu[-1]) == mb["seq_length"] and all(int(x) % multiple == 0 for x in cu)
@@ -103,12 +105,12 @@ def test_padded_microbatches_cover_every_token_once_and_refuse_cp():
         padded_microbatches(batch, w, micro_batch_size=2, layout=Layout(cp=2, pad_multiple=4))
 
 
-def test_a_fixed_bin_length_pads_every_bin_and_empty_bins_are_all_padding():
+def test_uniform_bins_are_padded_to_the_longest_and_empty_bins_are_all_padding():
     batch = _batch([13, 5, 9])
-    layout = Layout(pad_multiple=2, fixed_tokens=14)
-    bins = plan_bins(batch, 14, layout) + [[]]
+    layout = Layout(pad_multiple=2, uniform=True)
+    bins = plan_bins(batch, 14) + [[]]
     mbs = packed_microbatches(batch, token_weights(batch.loss_mask, "token_mean")[:2], bins, layout=layout)
-    assert all(mb["input_ids"].shape == (1, 14) for mb in mbs)
+    assert all(mb["input_ids"].shape == (1, 12) for mb in mbs)  # bins [12] and [4 + 8]
     assert int(mbs[-1]["num_tokens"]) == 0 and not mbs[-1]["loss_mask"].any() and mbs[-1]["n_seqs"] == 0
     _check_tokens(batch, mbs)
 
@@ -149,3 +151,13 @@ def test_rollouts_refuse_lengths_that_contradict_the_loss_mask():
     with pytest.raises(ValueError, match=r"lengths must be in \[2, 13\]"):
         Rollouts(tokens=batch.tokens, loss_mask=batch.loss_mask, advantages=batch.advantages,
                  lengths=torch.tensor([14, 5]))
+
+
+def test_bins_never_span_two_windows_of_micro_batch_size_rows():
+    batch = _batch([13, 5, 9, 2, 11, 7, 4, 6])
+    bins = plan_bins(batch, 40, window=4)
+    assert all(len({i // 4 for i in b}) == 1 for b in bins)
+    assert sorted(i for b in bins for i in b) == list(range(8))
+    # the rows of one window share microbatches whatever the other windows hold (a DP shard)
+    half = Rollouts(**batch.select(slice(4, 8)))
+    assert [[i - 4 for i in b] for b in bins if b[0] >= 4] == plan_bins(half, 40, window=4)

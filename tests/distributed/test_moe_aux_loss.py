@@ -1,0 +1,234 @@
+"""MoE router aux-loss and z-loss gradients through policy_step, pinned by hand and across layouts.
+
+1. One process, advantages 0 (so the CISPO gradient is exactly 0): the router weight's SGD update
+   is -lr * sum_mb T_mb * d aux_mb / dW / sum_mb T_mb. Here aux_mb is megatron's switch
+   load-balancing loss, recomputed by hand from the router's captured inputs, and T_mb is the
+   microbatch's valid (non-padding) tokens. The update is the same for every loss_agg: the aux
+   gradient never sees the policy loss's denominator.
+2. TP=2 with sequence parallelism and CP=2 reproduce the single-process packed step with aux and
+   z-loss on, padding split unevenly over the ranks included. Without step.moe's TP x CP
+   compensation, the router weights are visibly off.
+Inputs are chosen so that first-fit-decreasing packing makes the same bins at every pad multiple
+(1, 2, 4): a load-balancing loss is per microbatch, so the layouts must route the same bins.
+"""
+import importlib
+
+import pytest
+import torch
+
+from megatron_cispo.testing import spawn
+
+S, V = 15, 32
+EXPERTS, TOPK = 4, 2
+ROUTER_SCALE = 50.0  # router std 0.02 -> 1: top-k choices far from ties (checked: MIN_ROUTER_GAP)
+MIN_ROUTER_GAP = 1e-3  # router-logit gap between the k-th and (k+1)-th expert; layouts differ by ~1e-6
+BUDGET = 24
+# target lengths 3, 15, 8, 11, 11, 15, 14, 8: bins {1,2} {5,7} {0,6} {3,4} at pad multiples 1, 2 and 4
+LENGTHS = [4, 16, 9, 12, 12, 16, 15, 9]
+AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+AUX_COEFF, Z_COEFF = 0.01, 1e-3
+TOL = 1e-5
+HAND_ATOL = 1e-6  # fp32 update of O(1) weights: ~1e-7 of rounding, against updates of ~1e-2
+
+
+def make_batch(lengths=LENGTHS):
+    """Rows of `lengths` real tokens, a loss mask on the response, per-row advantages and a
+    rollout logprob offset (a sampler a little behind the trainer)."""
+    g = torch.Generator().manual_seed(11)
+    n = len(lengths)
+    lengths = torch.tensor(lengths)
+    tokens = torch.randint(0, V, (n, S + 1), generator=g)
+    pos = torch.arange(S)[None]
+    loss_mask = (pos >= 2) & (pos < lengths[:, None] - 1)
+    return tokens, lengths, loss_mask, torch.randn(n, generator=g), -0.3 * torch.rand(n, S, generator=g)
+
+
+def _build(*, tp=1, cp=1, sp=False, aux, z, lr):
+    """A 1-layer MoE GPT (4 experts, top-2) with scaled routers, and plain SGD that never clips."""
+    from megatron_cispo.runner.model import ModelConfig, build_model, build_optimizer
+
+    mcfg = ModelConfig(vocab_size=V, seq_length=S + 1, hidden_size=32, num_layers=1, num_attention_heads=4,
+                       num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_aux_loss_coeff=aux, moe_z_loss_coeff=z)
+    chunks = build_model(mcfg, tp=tp, pp=1, cp=cp, sequence_parallel=sp, seed=5)
+    with torch.no_grad():
+        for c in chunks:
+            for name, p in c.named_parameters():
+                if name.endswith("router.weight"):
+                    p.mul_(ROUTER_SCALE)  # replicated over TP and CP: every layout scales the same weights
+    return chunks, build_optimizer(chunks, lr=lr, optimizer="sgd", clip_grad=0.0)
+
+
+def _router(chunks):
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    (router,) = [m for c in chunks for m in c.modules() if isinstance(m, TopKRouter)]
+    return router
+
+
+def _capture_router_inputs(router, seen: list):
+    """Record (hidden_states [s, b, h], padding_mask [s, b], True = padding) of every training
+    forward of the router (MoELayer calls it as router(hidden_states, padding_mask))."""
+    def hook(module, args):
+        if module.training and torch.is_grad_enabled():
+            seen.append((args[0].detach().clone(), args[1].detach().clone()))
+    return router.register_forward_pre_hook(hook)
+
+
+def _logit_gap(x, pad, weight) -> float:
+    """Smallest router-logit gap between the k-th and (k+1)-th expert over the valid tokens."""
+    top = (x.reshape(-1, weight.shape[1]).double() @ weight.double().t()).topk(TOPK + 1, dim=-1).values
+    return (top[:, TOPK - 1] - top[:, TOPK])[~pad.reshape(-1)].min().item()
+
+
+def switch_aux_loss(x, pad, weight, coeff):
+    """megatron's 'aux_loss' (Switch load balancing) of one microbatch, by hand, in fp64.
+
+    x: [s, b, h] router input; pad: [s, b] bool, True = padding; weight: [E, h].
+    aux = coeff * E * sum_i f_i * P_i over the T valid tokens, with f_i = (tokens routed to i) / (T k)
+    and P_i = (sum of the softmax scores of i) / T; padding is neither routed nor scored.
+    Returns (aux, T)."""
+    valid = ~pad.reshape(-1)
+    scores = torch.softmax(x.reshape(-1, x.shape[-1]).double() @ weight.t(), dim=-1)[valid]
+    routed = torch.zeros_like(scores).scatter(1, scores.detach().topk(TOPK, dim=-1).indices, 1.0)
+    t = int(valid.sum())
+    f = routed.sum(0) / (t * TOPK)
+    p = scores.sum(0) / t
+    return coeff * EXPERTS * (f * p).sum(), t
+
+
+def hand_aux_worker(lr=100.0):
+    """One process. For each loss_agg: a fresh model, policy_step with advantages 0, the router's
+    captured inputs, and the router update next to the hand-computed -lr * gradient."""
+    from megatron_cispo.config import LossConfig, from_dict
+    from megatron_cispo.runner import distributed
+    from megatron_cispo.step import Rollouts, StepConfig, policy_step
+    from megatron_cispo.step.packing import Layout
+
+    distributed.init_distributed()
+    # One process packs without padding (pad multiple 1). Pad every sequence to a multiple of 4,
+    # as CP=2 does, so that the router gets packing padding through padding_mask.
+    step_module = importlib.import_module("megatron_cispo.step.policy_step")  # not the function
+    step_module.step_layout = lambda chunks, step_cfg: Layout(pad_multiple=4, padding_mask=True)
+    tokens, lengths, loss_mask, _, noise = make_batch()
+    out = {}
+    for agg in AGGS:
+        chunks, opt = _build(aux=AUX_COEFF, z=0.0, lr=lr)
+        router = _router(chunks)
+        w0 = router.weight.detach().clone()
+        seen: list = []
+        hook = _capture_router_inputs(router, seen)
+        batch = Rollouts(tokens=tokens, loss_mask=loss_mask, advantages=torch.zeros(len(LENGTHS)),
+                         lengths=lengths, rollout_logprobs=noise * loss_mask)
+        loss_cfg = from_dict(LossConfig, {"cispo": {"anchor": "rollout"}, "loss_agg": agg})
+        metrics = policy_step(chunks, opt, batch, loss_cfg,
+                              StepConfig(micro_batch_size=len(LENGTHS), max_tokens_per_microbatch=BUDGET))
+        hook.remove()
+        w = w0.double().requires_grad_()
+        weighted, total = 0.0, 0
+        for x, pad in seen:
+            aux, t = switch_aux_loss(x, pad, w, AUX_COEFF)
+            weighted, total = weighted + t * aux, total + t
+        (grad,) = torch.autograd.grad(weighted / total, w)
+        out[agg] = {"update": (router.weight.detach() - w0).double(), "expected": -lr * grad,
+                    "gap": min(_logit_gap(x, pad, w0) for x, pad in seen),
+                    "padding": sum(int(pad.sum()) for _, pad in seen), "microbatches": len(seen),
+                    "metrics": metrics}
+    return out
+
+
+def layout_worker(layout: dict, runs=("compensated",), lr=1.0):
+    """policy_step with aux and z-loss on; per run, the metrics, the gathered post-step state and
+    what this rank's router saw. 'uncompensated' turns step.moe's TP x CP compensation off, as
+    on a megatron-core that carries the upstream fix."""
+    import megatron_cispo.step.moe as moe
+    from megatron_cispo.config import LossConfig, from_dict
+    from megatron_cispo.runner import distributed
+    from megatron_cispo.runner.weights import gather_full_state
+    from megatron_cispo.step import Rollouts, StepConfig, policy_step
+
+    tp, cp, sp = layout.get("tp", 1), layout.get("cp", 1), layout.get("sp", False)
+    distributed.init_distributed(tp=tp, cp=cp)
+    tokens, lengths, loss_mask, adv, noise = make_batch()
+    fixed_in = moe.FIXED_IN
+    out = {}
+    for run in runs:
+        moe.FIXED_IN = (0, 0) if run == "uncompensated" else fixed_in
+        chunks, opt = _build(tp=tp, cp=cp, sp=sp, aux=AUX_COEFF, z=Z_COEFF, lr=lr)
+        router = _router(chunks)
+        w0 = router.weight.detach().clone()
+        seen: list = []
+        hook = _capture_router_inputs(router, seen)
+        initial = gather_full_state(chunks)
+        batch = Rollouts(tokens=tokens, loss_mask=loss_mask, advantages=adv, lengths=lengths,
+                         rollout_logprobs=noise * loss_mask)
+        metrics = policy_step(chunks, opt, batch, from_dict(LossConfig, {"cispo": {"anchor": "rollout"}}),
+                              StepConfig(micro_batch_size=len(LENGTHS), max_tokens_per_microbatch=BUDGET))
+        hook.remove()
+        out[run] = {"metrics": metrics, "initial": initial, "state": gather_full_state(chunks),
+                    "gap": min(_logit_gap(x, pad, w0) for x, pad in seen),
+                    "valid": [int((~pad).sum()) for _, pad in seen], "seen": [pad.numel() for _, pad in seen]}
+    moe.FIXED_IN = fixed_in
+    return out
+
+
+def test_router_update_is_the_hand_computed_aux_gradient_for_every_loss_agg():
+    res = spawn(hand_aux_worker, 1)[0]
+    first = res[AGGS[0]]
+    for agg in AGGS:
+        r = res[agg]
+        assert r["gap"] > MIN_ROUTER_GAP, agg
+        assert r["padding"] > 0 and r["microbatches"] == r["metrics"]["step/microbatches"] > 1, agg
+        assert r["expected"].abs().max() > 1e3 * HAND_ATOL, agg  # the check below is not vacuous
+        torch.testing.assert_close(r["update"], r["expected"], rtol=0, atol=HAND_ATOL, msg=agg)
+        # the policy denominators differ (tokens vs sequences); the aux gradient must not follow them
+        torch.testing.assert_close(r["update"], first["update"], rtol=0, atol=1e-7, msg=agg)
+
+
+_RUNS: dict[str, list] = {}
+LAYOUTS = {"tp2_sp": {"tp": 2, "sp": True}, "cp2": {"cp": 2}}
+
+
+def _layout_results(name: str) -> list[dict]:
+    """Per-rank results of a layout; tp2_sp also runs once without the compensation."""
+    if name not in _RUNS:
+        runs = ("compensated", "uncompensated") if name == "tp2_sp" else ("compensated",)
+        _RUNS[name] = spawn(layout_worker, 2, (LAYOUTS[name], runs))
+    return _RUNS[name]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return spawn(layout_worker, 1, ({},))[0]["compensated"]
+
+
+def _max_router_diff(state, ref_state) -> float:
+    return max((state[k] - v).abs().max().item() for k, v in ref_state.items() if k.endswith("router.weight"))
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_aux_and_z_loss_step_matches_single_process(reference, name):
+    results = [r["compensated"] for r in _layout_results(name)]
+    assert reference["gap"] > MIN_ROUTER_GAP and min(r["gap"] for r in results) > MIN_ROUTER_GAP
+    # the same bins, split over the two ranks with packing padding, unevenly
+    valid = [sum(v) for v in zip(*(r["valid"] for r in results))]
+    assert valid == reference["valid"]
+    assert sum(sum(r["seen"]) for r in results) > sum(valid)
+    assert results[0]["valid"] != results[1]["valid"]
+    moved = _max_router_diff(reference["state"], reference["initial"])
+    assert moved > 100 * TOL  # the step moved the router, by the policy, aux and z-loss gradients
+    state = results[0]["state"]
+    assert set(state) == set(reference["state"])
+    for k in sorted(state, key=lambda k: not k.endswith("router.weight")):  # the router first
+        torch.testing.assert_close(state[k], reference["state"][k], rtol=0, atol=TOL, msg=lambda m: (
+            f"{name} {k}: {m}\n(the MoE aux/z-loss gradient scale differs from one process; see step/moe.py)"))
+    per_rank = {"step/forward_calls", "step/microbatches"}
+    for rank, r in enumerate(results):
+        assert set(r["metrics"]) == set(reference["metrics"])
+        for key, value in reference["metrics"].items():
+            if key not in per_rank:
+                assert r["metrics"][key] == pytest.approx(value, rel=TOL, abs=TOL), f"{name} rank {rank} {key}"
+
+
+def test_without_compensation_tp2_sp_router_misses_the_reference(reference):
+    r = _layout_results("tp2_sp")[0]["uncompensated"]
+    assert _max_router_diff(r["state"], reference["state"]) > 20 * TOL
