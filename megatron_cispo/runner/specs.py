@@ -11,8 +11,6 @@ from dataclasses import replace
 
 import torch
 
-from .attention import with_reference_attention
-
 
 def grouped_gemm(cfg) -> bool:
     """Grouped-GEMM experts (TEGroupedMLP) only where they really run: the TE spec, on CUDA, with
@@ -54,6 +52,8 @@ def layer_spec(cfg):
     SequentialMLP experts when configured) with ReferenceCoreAttention, or the TE spec (its own
     attention does THD and CP). The one place a layer spec is chosen."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    from .attention import with_reference_attention  # imports megatron-core: only when building
 
     if cfg.transformer_impl == "te":
         return specs.get_gpt_layer_with_transformer_engine_spec(

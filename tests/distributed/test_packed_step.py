@@ -19,6 +19,7 @@ CASES = {
     "rollout_token_mean": ({"cispo": {"anchor": "rollout"}}, {}),
     "old_two_steps_seq_mean_token_mean": (
         {"cispo": {"anchor": "old"}, "loss_agg": "seq_mean_token_mean"}, {"minibatch_size": 4}),
+    "rollout_seq_mean_token_sum": ({"cispo": {"anchor": "rollout"}, "loss_agg": "seq_mean_token_sum"}, {}),
     "old_seq_tis_seq_mean_token_sum_norm": (
         {"cispo": {"anchor": "old"}, "loss_agg": "seq_mean_token_sum_norm", "max_len": 12,
          "tis": {"level": "sequence", "cap": 1.5}}, {}),
