@@ -108,6 +108,11 @@ class LossConfig:
     loss_agg: LossAgg = config_field("token_mean", "How per-token losses become one global scalar.")
     max_len: Optional[int] = config_field(None, "Divisor for seq_mean_token_sum_norm (required there).")
     entropy_coef: float = config_field(0.0, "Entropy bonus: adds -entropy_coef * entropy per token.")
+    head: Literal["logits", "fused"] = config_field(
+        "logits", "Output head: 'logits' scores the model's logits; 'fused' runs the output layer and the "
+        "logprobs chunk by chunk (fused_token_logprobs), so the [tokens, vocab/tp] logits never exist.")
+    head_fp32: bool = config_field(
+        False, "Fused head only: run its matmul in fp32 from bf16 parameters (ScaleRL's fp32 LM head).")
     cispo: CispoConfig = config_field(factory=CispoConfig, doc="CISPO loss settings.")
     ppo: PPOConfig = config_field(factory=PPOConfig, doc="PPO clipped-surrogate settings.")
     rollout_is: RolloutISConfig = config_field(factory=RolloutISConfig, doc="rollout_is loss settings.")
@@ -124,6 +129,8 @@ class LossConfig:
         _require(self.loss_agg in typing.get_args(LossAgg), self, "loss_agg", f"one of {typing.get_args(LossAgg)}")
         _require(self.max_len is None or self.max_len > 0, self, "max_len", "None or > 0")
         _require(math.isfinite(self.entropy_coef), self, "entropy_coef", "finite")
+        _require(self.head in ("logits", "fused"), self, "head", "'logits' or 'fused'")
+        _require(not self.head_fp32 or self.head == "fused", self, "head_fp32", "False unless head='fused'")
         if self.loss_agg == "seq_mean_token_sum_norm" and self.max_len is None:
             raise ValueError("LossConfig.max_len must be > 0 when loss_agg='seq_mean_token_sum_norm', got None")
 

@@ -11,6 +11,7 @@ sums the denominators over microbatches and DP and divides the gradient once.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from functools import partial
 from typing import Optional
@@ -53,13 +54,36 @@ def _unwrap(model):
     return model, False
 
 
-def forward_step_for(loss_func, calls: Optional[list] = None):
+def _output_layer(model):
+    """The output layer of a model chunk (its innermost GPTModel's), or None off the last stage."""
+    return getattr(_unwrap(model)[0], "output_layer", None)
+
+
+@contextlib.contextmanager
+def _hidden_states_out(layer, captured: dict):
+    """For one forward, the output layer hands back its input hidden states [s(/tp), b, h] and
+    records the weight it would have used: its own, or the tied embedding GPTModel passes."""
+    def forward(hidden, weight=None, runtime_gather_output=None):
+        captured["weight"] = layer.weight if weight is None else weight
+        captured["sequence_parallel"] = bool(getattr(layer, "sequence_parallel", False))
+        return hidden, None
+    layer.forward = forward
+    try:
+        yield
+    finally:
+        del layer.forward
+
+
+def forward_step_for(loss_func, calls: Optional[list] = None, head: str = "logits"):
     """forward_step(data_iterator, model) that runs the model on a microbatch dict (step.packing)
     and hands `loss_func(mb, output)` to the schedule; `calls` gets one entry per model forward.
 
     Passes packed_seq_params and the MoE padding_mask when the microbatch has them, and asks a
-    Float16Module for logits in their own dtype (fp32_output=False): token_logprobs upcasts
-    chunk by chunk, so an fp32 copy of the logits is never needed."""
+    Float16Module for its output in the model's dtype (fp32_output=False): the heads upcast chunk
+    by chunk, so an fp32 copy of the logits is never needed. head="fused": on the last stage the
+    output layer is bypassed for this forward; the model returns the hidden states and the
+    microbatch given to loss_func gains "head_weight" (the output or tied embedding weight) and
+    "head_sequence_parallel", for fused_token_logprobs."""
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
         if calls is not None:
@@ -71,8 +95,34 @@ def forward_step_for(loss_func, calls: Optional[list] = None):
             kwargs["padding_mask"] = mb["padding_mask"]
         if _unwrap(model)[1]:
             kwargs["fp32_output"] = False
-        return model(mb["input_ids"], mb["position_ids"], None, **kwargs), partial(loss_func, mb)
+        layer = _output_layer(model) if head == "fused" else None
+        captured: dict = {}
+        with _hidden_states_out(layer, captured) if layer is not None else contextlib.nullcontext():
+            output = model(mb["input_ids"], mb["position_ids"], None, **kwargs)
+        if captured:
+            mb = {**mb, "head_weight": captured["weight"], "head_sequence_parallel": captured["sequence_parallel"]}
+        return output, partial(loss_func, mb)
     return forward_step
+
+
+def head_logprobs(mb: dict, output: Tensor, *, temperature: float, vocab_size: Optional[int], entropy: bool,
+                  head_fp32: bool = False):
+    """Token logprobs [b, s] fp32 (and entropy) of microbatch `mb` from the model's output: logits
+    [b, s, v/tp], or with "head_weight" in mb the hidden states [b, s(/tp), h] for the fused head.
+    Untrained positions are masked, so pad ids are never range-checked or scored."""
+    targets, mask = mb["targets"], mb["loss_mask"]
+    if "head_weight" in mb:
+        from ..fused_head import fused_token_logprobs
+
+        out = fused_token_logprobs(
+            output.transpose(0, 1), mb["head_weight"], targets.t(), sequence_parallel=mb["head_sequence_parallel"],
+            temperature=temperature, return_entropy=entropy, vocab_size=vocab_size, mask=mask.t(),
+            head_dtype=torch.float32 if head_fp32 else None)
+        return tuple(t.t() for t in out) if entropy else out.t()
+    # The logits are dead once the loss is formed (nothing here or in the schedule reads them
+    # again), so their buffer takes the gradient: at b=1 no second [s, v/tp] shard is allocated.
+    return token_logprobs(output, targets, temperature=temperature, vocab_size=vocab_size,
+                          return_entropy=entropy, mask=mask, inplace_backward=True)
 
 
 def _segment_sum(seq_index: Tensor, n_seqs: int, cp_group):
@@ -114,10 +164,10 @@ def make_loss_func(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_size
     """
     want_entropy = entropy or loss_cfg.entropy_coef != 0
 
-    def loss_func(mb: dict, logits: Tensor):
+    def loss_func(mb: dict, output: Tensor):
         mask = mb["loss_mask"]
-        out = token_logprobs(logits, mb["targets"], temperature=temperature, vocab_size=vocab_size,
-                             return_entropy=want_entropy, mask=mask)
+        out = head_logprobs(mb, output, temperature=temperature, vocab_size=vocab_size, entropy=want_entropy,
+                            head_fp32=loss_cfg.head_fp32)
         lp, ent = out if want_entropy else (out, None)
         old = lp.detach() if old_from_current else mb.get("old_logprobs")
         given = dict(advantages=mb["advantages"], loss_mask=mask, old_logprobs=old,
@@ -143,7 +193,7 @@ def make_forward_step(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_s
     """
     loss_func = make_loss_func(loss_cfg, temperature=temperature, vocab_size=vocab_size,
                                old_from_current=old_from_current, entropy=entropy)
-    return forward_step_for(loss_func, calls)
+    return forward_step_for(loss_func, calls, head=loss_cfg.head)
 
 
 def run_schedule(chunks, forward_step, microbatches: list, *, forward_only: bool):
@@ -161,7 +211,7 @@ def run_schedule(chunks, forward_step, microbatches: list, *, forward_only: bool
 
 @torch.no_grad()
 def compute_logprobs(chunks, batch: Rollouts, step_cfg: StepConfig, *, vocab_size: Optional[int] = None,
-                     calls: Optional[list] = None) -> Tensor:
+                     calls: Optional[list] = None, head: str = "logits", head_fp32: bool = False) -> Tensor:
     """Forward-only pass through the schedule, packed or padded as step_cfg says; [n, s] fp32
     logprobs of `batch`'s targets (0 on padding and untrained targets), on every PP and CP rank.
     Collectives: the schedule's, a MAX over DP (bin count), a SUM over CP, a broadcast over PP."""
@@ -171,13 +221,13 @@ def compute_logprobs(chunks, batch: Rollouts, step_cfg: StepConfig, *, vocab_siz
     shape = (batch.tokens.shape[0], batch.tokens.shape[1] - 1)
     microbatches = build_microbatches(batch, None, step_cfg, step_layout(chunks, step_cfg),
                                       mpu.get_data_parallel_group())
-    def loss_func(mb, logits):
-        lp = token_logprobs(logits, mb["targets"], temperature=temperature, vocab_size=vocab_size,
-                            mask=mb["loss_mask"])
+    def loss_func(mb, output):
+        lp = head_logprobs(mb, output, temperature=temperature, vocab_size=vocab_size, entropy=False,
+                           head_fp32=head_fp32)
         return lp.sum(), torch.zeros((), dtype=torch.int, device=lp.device), \
             {"logprobs": lp.detach(), "gather_index": mb["gather_index"]}
 
-    forward_step = forward_step_for(loss_func, calls)
+    forward_step = forward_step_for(loss_func, calls, head=head)
     modes = [c.training for c in chunks]
     for c in chunks:
         c.eval()

@@ -86,7 +86,8 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
         if getattr(batch, name) is None and not produced:
             raise ValueError(f"rollouts.{name} is missing: {missing_input_message(loss_cfg, name)}")
     build = partial(microbatches, loss_cfg=loss_cfg, step_cfg=step_cfg, layout=layout, dp_group=dp_group)
-    score = partial(compute_logprobs, batch=batch, step_cfg=step_cfg, vocab_size=vocab_size, calls=calls)
+    score = partial(compute_logprobs, batch=batch, step_cfg=step_cfg, vocab_size=vocab_size, calls=calls,
+                    head=loss_cfg.head, head_fp32=loss_cfg.head_fp32)
     if plan == "pass":
         batch = replace(batch, old_logprobs=score(chunks))
     if "ref_logprobs" in required_inputs(loss_cfg) and batch.ref_logprobs is None:

@@ -4,7 +4,8 @@ The reference is the single-process padded run (micro_batch_size rows, no packin
 run packs the same global batch under a token budget and splits it over TP with sequence
 parallelism, CP, PP, DP or CP x DP; MoE models run with expert parallelism and with TP + SP.
 Each launch runs every case and returns the metrics and the gathered post-step parameters.
-Lengths are odd on purpose, so that packing pads them to the CP / SP multiple.
+Lengths are odd on purpose, so that packing pads them to the CP / SP multiple. A fused-head case
+(loss.head=fused) is compared against the logits head's single-process result.
 """
 import pytest
 import torch
@@ -24,6 +25,9 @@ CASES = {
         {"cispo": {"anchor": "old"}, "loss_agg": "seq_mean_token_sum_norm", "max_len": 12,
          "tis": {"level": "sequence", "cap": 1.5}}, {}),
 }
+# The fused head (output layer + logprobs chunk by chunk) must give the logits head's update.
+CASES["rollout_token_mean_fused_head"] = ({"cispo": {"anchor": "rollout"}, "head": "fused"}, {})
+SAME_AS = {"rollout_token_mean_fused_head": "rollout_token_mean"}
 MOE_CASES = ("rollout_token_mean", "old_two_steps_seq_mean_token_mean")
 
 
@@ -76,7 +80,7 @@ def worker(layout: dict, packed: bool, cases=tuple(CASES), moe: bool = False):
 def _assert_matches(reference, results, cases, atol=1e-5):
     per_rank = {"step/forward_calls", "step/microbatches"}
     for case in cases:
-        ref = reference[case]
+        ref = reference[SAME_AS.get(case, case)]
         for rank, res in enumerate(results):
             got = res[case]["metrics"]
             assert set(got) == set(ref["metrics"]), case
@@ -91,7 +95,7 @@ def _assert_matches(reference, results, cases, atol=1e-5):
 
 @pytest.fixture(scope="module")
 def reference():
-    return spawn(worker, 1, ({}, False))[0]
+    return spawn(worker, 1, ({}, False, tuple(c for c in CASES if c not in SAME_AS)))[0]
 
 
 @pytest.fixture(scope="module")

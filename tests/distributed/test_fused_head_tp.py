@@ -1,0 +1,181 @@
+"""fused_token_logprobs over TP = 1, 2 and 4 gloo ranks, with and without sequence parallelism,
+against token_logprobs(F.linear(hidden, full weight)) on one process: values, entropy, and the
+gradients of hidden and of this rank's weight shard, for fp32, bf16 and an fp32 head from bf16
+parameters, over an even vocabulary, a padded one, and one where a rank holds only padding.
+
+One 4-rank launch covers every layout: megatron's TP group (tp=4) is the default group, and
+explicit subgroups give TP=2 (ranks {0,1}, {2,3}) and TP=1 (each rank alone).
+"""
+import pytest
+import torch
+
+from megatron_cispo.testing import spawn
+
+S, B, H = 8, 2, 16
+# Padded to the next multiple of 8 * tp: 96 never, 83 always, 20 leaves rank 3 of 4 all padding.
+VOCABS = (96, 83, 20)
+DTYPES = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None),
+          "bf16_fp32_head": (torch.bfloat16, torch.float32)}
+TEMPERATURE, ENT_WEIGHT = 0.8, 0.3
+
+
+def _data(vocab, padded, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(S, B, H, generator=g).to(dtype)
+    weight = torch.randn(padded, H, generator=g) * 3 / H ** 0.5
+    weight[vocab:] = 5.0  # junk padding rows: logits that would dominate if they counted
+    t = torch.randint(0, vocab, (S, B), generator=g)
+    t[1, 0] = -100
+    t[5, 1] = 10 ** 6  # masked, so never range-checked
+    mask = torch.ones(S, B, dtype=torch.bool)
+    mask[5, 1] = False
+    loss_w = torch.linspace(-1, 1, S * B).view(S, B)
+    loss_w[2, 1] = 0.0  # a row with no upstream logprob gradient
+    return hidden, weight.to(dtype), t, mask, loss_w
+
+
+def _grads(fn, hidden, weight, loss_w, count):
+    """lp, ent, the grads of fresh hidden and weight leaves, and the collectives of each direction."""
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    count.clear()
+    lp, ent = fn(h, w)
+    fwd = list(count)
+    count.clear()
+    (lp * loss_w + ENT_WEIGHT * ent).sum().backward()
+    return lp, ent, h.grad, w.grad, (fwd, list(count))
+
+
+def _case(tp, group, rank, single, vocab, sp, dtype_name, count):
+    """Errors of one layout against one process, and the collectives each direction made."""
+    import torch.nn.functional as F
+
+    from megatron_cispo.fused_head import fused_token_logprobs
+    from megatron_cispo.logprobs import token_logprobs
+
+    dtype, head_dtype = DTYPES[dtype_name]
+    padded = -(-vocab // (8 * tp)) * 8 * tp
+    vl = padded // tp
+    hidden, weight, t, mask, loss_w = _data(vocab, padded, dtype, seed=vocab + tp)
+    cd = head_dtype or dtype
+    kw = dict(temperature=TEMPERATURE, return_entropy=True, vocab_size=vocab, mask=mask)
+    ref = _grads(lambda h, w: token_logprobs(F.linear(h.to(cd), w.to(cd)), t, tp_group=single, **kw),
+                 hidden, weight, loss_w, count)
+    sl = S // tp if sp else S
+    mine = hidden[rank * sl:(rank + 1) * sl] if sp else hidden
+    rows = slice(rank * vl, (rank + 1) * vl)
+    ours = _grads(lambda h, w: fused_token_logprobs(h, w, t, tp_group=group, sequence_parallel=sp,
+                                                    chunk_rows=3, head_dtype=head_dtype, **kw),
+                  mine, weight[rows], loss_w, count)
+    ref_gh = ref[2][rank * sl:(rank + 1) * sl] if sp else ref[2]
+    ref_gw = ref[3][rows]
+
+    def rel(a, b, full):  # relative to the whole gradient's largest entry: a shard may be all zeros
+        return ((a.float() - b.float()).abs().max() / full.float().abs().max()).item()
+
+    return {"lp": (ours[0] - ref[0]).abs().max().item(), "ent": (ours[1] - ref[1]).abs().max().item(),
+            "grad_hidden_rel": rel(ours[2], ref_gh, ref[2]), "grad_weight_rel": rel(ours[3], ref_gw, ref[3]),
+            "grad_dtypes": (str(ours[2].dtype), str(ours[3].dtype)),
+            "grad_shapes": (tuple(ours[2].shape), tuple(ours[3].shape)),
+            "padding_grad_zero": bool((ours[3][max(0, vocab - rank * vl):] == 0).all()),
+            "collectives": ours[4]}
+
+
+def _worker():
+    import torch.distributed as dist
+
+    from megatron_cispo import fused_head
+    from megatron_cispo.runner import distributed
+
+    env = distributed.init_distributed(tp=4)
+    rank = env.rank
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    singles = [dist.new_group([r]) for r in range(4)]
+    count: list = []
+    real = (dist.all_reduce, fused_head._all_gather, fused_head._reduce_scatter,
+            fused_head._reduce_scatter_via_all_reduce)
+
+    def all_reduce(*a, **k):
+        count.append(str(k.get("op", dist.ReduceOp.SUM)).rsplit(".", 1)[-1])
+        return real[0](*a, **k)
+
+    def all_gather(*a, **k):
+        count.append("all_gather")
+        return real[1](*a, **k)
+
+    def reduce_scatter(*a, **k):
+        count.append("reduce_scatter")
+        return real[2](*a, **k)
+
+    dist.all_reduce = all_reduce
+    fused_head._all_gather, fused_head._reduce_scatter = all_gather, reduce_scatter
+    try:
+        results = {}
+        layouts = [(4, None, rank), (2, pairs[rank // 2], rank % 2), (1, singles[rank], 0)]
+        for tp, group, trank in layouts:  # group None: megatron's TP group, the default
+            for vocab in VOCABS:
+                for sp in (False, True):
+                    for name in DTYPES:
+                        results[(tp, vocab, sp, name, "gloo")] = _case(
+                            tp, group, trank, singles[rank], vocab, sp, name, count)
+                # the reduce-scatter that NCCL runs, where this torch's gloo has it too
+                fused_head._reduce_scatter_via_all_reduce = lambda g: False
+                try:
+                    results[(tp, vocab, True, "fp32", "native")] = _case(
+                        tp, group, trank, singles[rank], vocab, True, "fp32", count)
+                finally:
+                    fused_head._reduce_scatter_via_all_reduce = real[3]
+    finally:
+        dist.all_reduce, fused_head._all_gather, fused_head._reduce_scatter = real[:3]
+    return results
+
+
+@pytest.fixture(scope="module")
+def results():
+    return spawn(_worker, 4, timeout_s=300)
+
+
+def _cases(results, **want):
+    for rank, res in enumerate(results):
+        for key, r in res.items():
+            case = dict(zip(("tp", "vocab", "sp", "dtype", "path"), key))
+            if all(case[k] == v for k, v in want.items()):
+                yield (rank, key), r
+
+
+# values: both paths do fp32 math on the same logits; gradients, relative to the largest entry:
+# fp32 to rounding, bf16 to a few ulps (per-chunk bf16 partials, a bf16 TP sum), an fp32 head from
+# bf16 parameters to the one rounding of its fp32 gradient to bf16
+TOL = {"fp32": (1e-5, 1e-5), "bf16": (1e-5, 2 ** -6), "bf16_fp32_head": (1e-5, 2 ** -7)}
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_values_entropy_and_both_grads_match_one_process(results, tp, sp, dtype):
+    value_tol, grad_tol = TOL[dtype]
+    for where, r in _cases(results, tp=tp, sp=sp, dtype=dtype):
+        assert r["lp"] < value_tol and r["ent"] < value_tol, (where, r)
+        assert r["grad_hidden_rel"] < grad_tol and r["grad_weight_rel"] < grad_tol, (where, r)
+        assert r["padding_grad_zero"], (where, r)
+        in_dtype = str(DTYPES[dtype][0])
+        assert r["grad_dtypes"] == (in_dtype, in_dtype), (where, r)
+        assert r["grad_shapes"][0] == ((S // tp if sp else S), B, H), (where, r)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_native_reduce_scatter_path_matches_too(results, tp):
+    for where, r in _cases(results, tp=tp, path="native"):
+        assert r["lp"] < 1e-5 and r["grad_hidden_rel"] < 1e-5 and r["grad_weight_rel"] < 1e-5, (where, r)
+        assert r["collectives"][1] == ["reduce_scatter"], (where, r)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_collectives_forward_max_and_packed_sum_backward_one_hidden_grad_sum(results, tp):
+    for where, r in _cases(results, tp=tp, path="gloo"):
+        sp = where[1][2]
+        fwd, bwd = r["collectives"]
+        if tp == 1:
+            assert fwd == [] and bwd == [], (where, r)
+            continue
+        assert fwd == (["all_gather"] if sp else []) + ["MAX", "SUM"], (where, r)
+        assert bwd == ["SUM"], (where, r)  # gloo's reduce-scatter is an all-reduce, then a slice
