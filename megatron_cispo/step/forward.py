@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..config import LossConfig
-from ..logprobs import token_logprobs
 from ..losses import compute_policy_loss, per_token_policy_loss
+from .head import head_logprobs, hidden_states_out, output_layer_of, unwrap
 from .packing import microbatches as build_microbatches
 from .packing import step_layout
 from .pipeline import broadcast_tensor_from_last_stage, is_last_stage
@@ -46,34 +46,6 @@ def check_megatron_config(chunks) -> None:
                              "itself, and averaging in the collective would divide by DP size again")
 
 
-def _unwrap(model):
-    while hasattr(model, "module"):
-        if type(model).__name__ == "Float16Module":
-            return model, True
-        model = model.module
-    return model, False
-
-
-def _output_layer(model):
-    """The output layer of a model chunk (its innermost GPTModel's), or None off the last stage."""
-    return getattr(_unwrap(model)[0], "output_layer", None)
-
-
-@contextlib.contextmanager
-def _hidden_states_out(layer, captured: dict):
-    """For one forward, the output layer hands back its input hidden states [s(/tp), b, h] and
-    records the weight it would have used: its own, or the tied embedding GPTModel passes."""
-    def forward(hidden, weight=None, runtime_gather_output=None):
-        captured["weight"] = layer.weight if weight is None else weight
-        captured["sequence_parallel"] = bool(getattr(layer, "sequence_parallel", False))
-        return hidden, None
-    layer.forward = forward
-    try:
-        yield
-    finally:
-        del layer.forward
-
-
 def forward_step_for(loss_func, calls: Optional[list] = None, head: str = "logits"):
     """forward_step(data_iterator, model) that runs the model on a microbatch dict (step.packing)
     and hands `loss_func(mb, output)` to the schedule; `calls` gets one entry per model forward.
@@ -93,36 +65,16 @@ def forward_step_for(loss_func, calls: Optional[list] = None, head: str = "logit
             kwargs["packed_seq_params"] = mb["packed_seq_params"]
         if mb.get("padding_mask") is not None:
             kwargs["padding_mask"] = mb["padding_mask"]
-        if _unwrap(model)[1]:
+        if unwrap(model)[1]:
             kwargs["fp32_output"] = False
-        layer = _output_layer(model) if head == "fused" else None
+        layer = output_layer_of(model) if head == "fused" else None
         captured: dict = {}
-        with _hidden_states_out(layer, captured) if layer is not None else contextlib.nullcontext():
+        with hidden_states_out(layer, captured) if layer is not None else contextlib.nullcontext():
             output = model(mb["input_ids"], mb["position_ids"], None, **kwargs)
         if captured:
             mb = {**mb, "head_weight": captured["weight"], "head_sequence_parallel": captured["sequence_parallel"]}
         return output, partial(loss_func, mb)
     return forward_step
-
-
-def head_logprobs(mb: dict, output: Tensor, *, temperature: float, vocab_size: Optional[int], entropy: bool,
-                  head_fp32: bool = False):
-    """Token logprobs [b, s] fp32 (and entropy) of microbatch `mb` from the model's output: logits
-    [b, s, v/tp], or with "head_weight" in mb the hidden states [b, s(/tp), h] for the fused head.
-    Untrained positions are masked, so pad ids are never range-checked or scored."""
-    targets, mask = mb["targets"], mb["loss_mask"]
-    if "head_weight" in mb:
-        from ..fused_head import fused_token_logprobs
-
-        out = fused_token_logprobs(
-            output.transpose(0, 1), mb["head_weight"], targets.t(), sequence_parallel=mb["head_sequence_parallel"],
-            temperature=temperature, return_entropy=entropy, vocab_size=vocab_size, mask=mask.t(),
-            head_dtype=torch.float32 if head_fp32 else None)
-        return tuple(t.t() for t in out) if entropy else out.t()
-    # The logits are dead once the loss is formed (nothing here or in the schedule reads them
-    # again), so their buffer takes the gradient: at b=1 no second [s, v/tp] shard is allocated.
-    return token_logprobs(output, targets, temperature=temperature, vocab_size=vocab_size,
-                          return_entropy=entropy, mask=mask, inplace_backward=True)
 
 
 def _segment_sum(seq_index: Tensor, n_seqs: int, cp_group):

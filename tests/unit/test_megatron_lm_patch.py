@@ -226,3 +226,54 @@ def test_vocab_parallel_get_logprobs_scores_the_full_contiguous_shard_without_a_
     want = torch.log_softmax(logits.detach()[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
     assert lp.shape == (2, 5) and lp.is_contiguous()
     torch.testing.assert_close(lp, want)
+
+
+class _Layer(torch.nn.Module):
+    """A ColumnParallelLinear stand-in: forward(hidden [s, b, h], weight=None) -> (logits, bias)."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.weight, self.sequence_parallel = torch.nn.Parameter(weight), False
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):
+        return torch.nn.functional.linear(hidden, self.weight if weight is None else weight), None
+
+
+class _GPT(_Model):
+    """GPTModel's last stage: decoder hidden states -> output layer -> logits transposed to [b, s, v]."""
+
+    def __init__(self, hidden, weight):
+        super().__init__(None)
+        self.hidden, self.output_layer = hidden, _Layer(weight)
+
+    def __call__(self, tokens, position_ids, attention_mask, **kwargs):
+        self.calls.append((self.config.flash_decode, kwargs))
+        logits, _ = self.output_layer(self.hidden)
+        self.returned = tuple(logits.shape)
+        return logits.transpose(0, 1).contiguous()
+
+
+def test_fused_head_get_logprobs_matches_the_logits_head_without_materialising_logits(monkeypatch):
+    from megatron_cispo.config import LossConfig
+
+    tree = _Tree(monkeypatch)
+    tree.args = argparse.Namespace(fp16=False, bf16=False, rl_sequence_packing_max_sequences_per_bin=8)
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, 11, (2, 6), generator=g)
+    hidden, weight = torch.randn(6, 2, 4, generator=g), torch.randn(11, 4, generator=g)
+    results = {}
+    try:
+        for head in ("logits", "fused"):
+            mlm.configure(LossConfig(head=head))
+            h = hidden.clone().requires_grad_(True)
+            model = _GPT(h, weight.clone())
+            lp = mlm.get_logprobs(model, tokens, torch.arange(6).expand(2, 6))
+            (lp * torch.linspace(-1, 1, 5)).sum().backward()
+            results[head] = (lp.detach(), h.grad, model.output_layer.weight.grad)
+            assert model.returned == (6, 2, 4 if head == "fused" else 11)  # fused: hidden states, no logits
+    finally:
+        mlm.configure(LossConfig())
+    for want, got in zip(results["logits"], results["fused"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    want = torch.log_softmax(hidden @ weight.t(), -1).transpose(0, 1)[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]
+    torch.testing.assert_close(results["fused"][0], want, rtol=1e-5, atol=1e-6)

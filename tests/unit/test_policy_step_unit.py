@@ -170,3 +170,19 @@ def test_a_loss_with_no_metric_of_a_kind_issues_no_collective_for_it(monkeypatch
     guard.calls.clear()
     assert reduce_metrics([Metrics()], group=object()) == {}  # e.g. a plugin loss's empty Metrics()
     assert guard.calls == []
+
+
+def test_the_fused_head_finds_the_output_layer_through_ddp_and_float16_module():
+    from megatron_cispo.step.head import output_layer_of, unwrap
+
+    class Float16Module(torch.nn.Module):  # megatron's name is what the head checks
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    gpt = torch.nn.Module()
+    gpt.output_layer = torch.nn.Linear(2, 3)
+    ddp = torch.nn.Module()
+    ddp.module = Float16Module(gpt)
+    assert unwrap(ddp) == (gpt, True) and unwrap(gpt) == (gpt, False)
+    assert output_layer_of(ddp) is gpt.output_layer and output_layer_of(torch.nn.Module()) is None

@@ -27,6 +27,8 @@ FLAGS: dict[str, str] = {
     "--cispo-ppo-dual-clip": "ppo.dual_clip",
     "--cispo-rollout-is-eps-low": "rollout_is.eps_low",
     "--cispo-rollout-is-eps-high": "rollout_is.eps_high",
+    "--cispo-head": "head",
+    "--cispo-head-fp32": "head_fp32",
 }
 TEMPERATURE_FLAG = "--cispo-temperature"
 
@@ -53,8 +55,9 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help_text = f"{doc} LossConfig.{key}, default {default!r}."
         if tp == "bool":
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        elif key == "cispo.anchor":
-            group.add_argument(flag, choices=["old", "rollout"], default=None, help=help_text)
+        elif tp.startswith("'"):  # a Literal: 'old' | 'rollout'
+            group.add_argument(flag, choices=[c.strip().strip("'") for c in tp.split("|")], default=None,
+                               help=help_text)
         elif tp == "str":
             group.add_argument(flag, type=str, default=None, help=help_text)
         else:

@@ -2,7 +2,9 @@
 
 Same signature and outputs, but the model is run with runtime_gather_output=False, so the last
 stage keeps its [b, s, v/tp] logit shard, and `token_logprobs` forms the logprobs with two small
-TP all-reduces instead of materialising [b, s, v] per rank. install() puts it in place.
+TP all-reduces instead of materialising [b, s, v] per rank. With --cispo-head fused the output
+layer is bypassed and `fused_token_logprobs` scores the hidden states chunk by chunk, so the
+logits never exist. install() puts it in place.
 """
 from __future__ import annotations
 
@@ -13,8 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ...fused_head import fused_token_logprobs
 from ...logprobs import IGNORE_INDEX, token_logprobs
-from .settings import logprob_temperature
+from ...step.head import hidden_states_out, output_layer_of
+from .settings import logprob_temperature, loss_config
 
 RL_UTILS = "megatron.rl.rl_utils"
 
@@ -38,8 +42,12 @@ def get_logprobs(model, tokens, position_ids, no_grad=False, sequence_packing=Fa
     # Megatron-LM turns flash-decode off for training forwards; keep that behaviour.
     flash_decode = model.config.flash_decode
     model.config.flash_decode = False
+    head = loss_config()
+    layer = output_layer_of(model) if head.head == "fused" else None
+    captured: dict = {}
     try:
-        with torch.no_grad() if no_grad else nullcontext():
+        with torch.no_grad() if no_grad else nullcontext(), \
+                hidden_states_out(layer, captured) if layer is not None else nullcontext():
             output = model(tokens, position_ids, None, packed_seq_params=packed_seq_params,
                            runtime_gather_output=False, fp32_output=not (args.fp16 or args.bf16))
     finally:
@@ -54,6 +62,15 @@ def get_logprobs(model, tokens, position_ids, no_grad=False, sequence_packing=Fa
     # in-place gradient.
     targets = F.pad(tokens[:, 1:], (0, 1), value=IGNORE_INDEX)
     with torch.no_grad() if no_grad else nullcontext():
-        logprobs: Tensor = token_logprobs(output, targets, tp_group=pg_collection.tp,
-                                          temperature=logprob_temperature())
+        if captured:  # output: hidden states [b, s(/tp), h]; fp32 under Float16Module's fp32_output
+            weight = captured["weight"]
+            logprobs: Tensor = fused_token_logprobs(
+                output.transpose(0, 1), weight, targets.t(), tp_group=pg_collection.tp,
+                sequence_parallel=captured["sequence_parallel"], temperature=logprob_temperature(),
+                head_dtype=torch.float32 if head.head_fp32 or output.dtype != weight.dtype else None).t()
+            return logprobs[:, :-1].to(weight.dtype).contiguous()
+        # The logits are dead after this call (the loop keeps only the logprobs), so their buffer
+        # takes the gradient: no second [b, s, v/tp] shard at b=1.
+        logprobs = token_logprobs(output, targets, tp_group=pg_collection.tp, temperature=logprob_temperature(),
+                                  inplace_backward=True)
         return logprobs[:, :-1].to(output.dtype).contiguous()

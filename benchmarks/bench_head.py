@@ -1,0 +1,237 @@
+"""The whole output head, forward + backward, at TP=2: megatron-core vs linear + token_logprobs vs
+fused_token_logprobs (which never materialises the [tokens, v_local] logits).
+
+    python benchmarks/bench_head.py                  # s=2048, b=1, h=256, V=151936, fp32 (about 6 minutes)
+    python benchmarks/bench_head.py --quick          # s=256, V=32000, a smoke run (about 20 s)
+    python benchmarks/bench_head.py --chunk-rows 64 128 256 --scaling   # tune the fused chunk
+
+Every path takes hidden [s, b, h] (as the decoder hands it to the output layer) and the output
+weight shard [v_local, h], both requiring grad, to the loss (-lp * adv).sum() with a random
+per-token advantage, then runs backward. Each measurement is one fresh pair of gloo processes
+(megatron_cispo.testing.spawn, one thread per rank) that warms its path up on a few rows and then
+times one full call; the paths are interleaved (rotated) rep by rep. Time: wall time of forward +
+backward, max over ranks. Peak extra memory: peak resident set during the call (VmHWM, reset via
+/proc/self/clear_refs) minus the resident set just before it, minus the one [v_local, h] weight
+gradient every path must allocate. Before timing, one process pair checks that all paths give the
+same logprobs and gradients. Not a test: no timing is asserted anywhere.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+# Run from a checkout without `pip install -e .`: the package is the script's parent's sibling.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_logprobs import _release_freed_memory, _reset_peak, _status_kib  # noqa: E402
+
+TP = 2
+TARGET_TIME, TARGET_MEM = 1.5, 0.1  # fused head: time / megatron-core, peak extra / fp32 logits shard
+CHECK_TOL = 1e-5  # max |difference| / max |reference|, per output, for every path against megatron-core
+WARM_TOKENS = 128  # rows each fresh process runs once, untimed, before its measured call
+PATHS = {  # name -> what it runs (the "fused" path may be repeated at several chunk_rows)
+    "mcore": "`F.linear` + megatron-core `vocab_parallel_cross_entropy`",
+    "ours": "`F.linear` + `token_logprobs(inplace_backward=True)` (what our loss function passes)",
+    "ours_auto": "`F.linear` + `token_logprobs(inplace_backward=\"auto\")`",
+    "fused": "`fused_token_logprobs`",
+}
+
+
+def _inputs(tokens: int, vocab: int, h: int, rank: int):
+    """hidden [s, 1, h] and targets/adv [s, 1], the same on every TP rank; weight [v/tp, h] this
+    rank's shard. Logits come out with a std of about 2, as in bench_logprobs.py."""
+    gen = torch.Generator().manual_seed(1234)
+    hidden = torch.randn(tokens, 1, h, generator=gen).requires_grad_()
+    targets = torch.randint(0, vocab, (tokens, 1), generator=gen)
+    adv = torch.randn(tokens, 1, generator=gen)
+    wgen = torch.Generator().manual_seed(99 + rank)
+    weight = (torch.randn(vocab // TP, h, generator=wgen) * (2 / h ** 0.5)).requires_grad_()
+    return hidden, weight, targets, adv
+
+
+def _head(path: str, hidden, weight, targets, chunk_rows):
+    """Logprobs [s, b] fp32 of one path, differentiable in hidden and weight."""
+    import torch.nn.functional as F
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, vocab_parallel_cross_entropy
+
+    from megatron_cispo.fused_head import fused_token_logprobs
+    from megatron_cispo.logprobs import token_logprobs
+
+    if path == "fused":
+        return fused_token_logprobs(hidden, weight, targets, chunk_rows=chunk_rows)
+    # ColumnParallelLinear without SP: identity forward, all-reduce of the hidden gradient in
+    # backward (the fused op does the same all-reduce itself)
+    logits = F.linear(copy_to_tensor_model_parallel_region(hidden), weight)
+    logits = logits.transpose(0, 1)  # GPTModel: [s, b, v] -> [b, s, v], a view at b=1
+    if path == "mcore":
+        return -vocab_parallel_cross_entropy(logits, targets.t()).t()
+    inplace = {"ours": True, "ours_auto": "auto"}[path]
+    return token_logprobs(logits, targets.t(), inplace_backward=inplace).t()
+
+
+def _check_worker(tokens, vocab, h, paths):
+    """Every path's logprobs, hidden grad and weight grad against megatron-core's, as
+    max |difference| / max |megatron-core value|."""
+    from megatron_cispo.runner import distributed
+
+    env = distributed.init_distributed(tp=TP)
+    hidden, weight, targets, adv = _inputs(tokens, vocab, h, env.rank)
+    outs = {}
+    for name, chunk_rows in paths:
+        hidden.grad = weight.grad = None
+        lp = _head(name, hidden, weight, targets, chunk_rows)
+        (-lp * adv).sum().backward()
+        outs[(name, chunk_rows)] = (lp.detach(), hidden.grad, weight.grad)
+    ref = outs[("mcore", None)]
+    return {k: [float((a - r).abs().max() / r.abs().max()) for a, r in zip(v, ref)] for k, v in outs.items()}
+
+
+def _measure_worker(name, chunk_rows, tokens, vocab, h):
+    """One timed fwd+bwd of one path in this fresh process, after a warm-up on WARM_TOKENS rows."""
+    from megatron_cispo.logprobs import release_workspace
+    from megatron_cispo.runner import distributed
+
+    _release_freed_memory()
+    env = distributed.init_distributed(tp=TP)
+    hidden, weight, targets, adv = _inputs(tokens, vocab, h, env.rank)
+    warm = hidden.detach()[:WARM_TOKENS].requires_grad_()
+    (-_head(name, warm, weight, targets[:WARM_TOKENS], chunk_rows) * adv[:WARM_TOKENS]).sum().backward()
+    del warm
+    weight.grad = None
+    release_workspace()  # so that the fused head's workspace counts as extra memory
+    gc.collect()
+    torch.distributed.barrier()
+    rss0 = _status_kib("VmRSS") * 1024
+    _reset_peak()
+    t0 = time.perf_counter()
+    lp = _head(name, hidden, weight, targets, chunk_rows)
+    (-lp * adv).sum().backward()
+    dt = time.perf_counter() - t0
+    peak = _status_kib("VmHWM") * 1024
+    # RSS counters are approximate to ~100s of KiB; clamp that noise at zero
+    return {"time": dt, "extra": max(0, peak - rss0 - weight.grad.nbytes)}
+
+
+def measure(name, chunk_rows, tokens, vocab, h) -> dict:
+    from megatron_cispo.testing import spawn
+
+    per_rank = spawn(_measure_worker, TP, args=(name, chunk_rows, tokens, vocab, h), timeout_s=900)
+    return {k: max(r[k] for r in per_rank) for k in ("time", "extra")}
+
+
+def _label(case) -> str:
+    name, chunk_rows = case
+    return name if name != "fused" else f"fused (chunk_rows={chunk_rows or 'default'})"
+
+
+def timing(cases, tokens, vocab, h, reps) -> dict:
+    """{case: [{"time", "extra"}] * reps}, the cases rotated rep by rep."""
+    runs = {c: [] for c in cases}
+    for rep in range(reps):
+        for c in cases[rep % len(cases):] + cases[:rep % len(cases)]:
+            runs[c].append(measure(*c, tokens, vocab, h))
+            print(f"rep {rep} {_label(c)}: {runs[c][-1]['time']:.3f} s, "
+                  f"{runs[c][-1]['extra'] / 2**20:.1f} MiB extra", flush=True)
+    return runs
+
+
+def timing_table(runs, shard: int) -> str:
+    ref = runs[("mcore", None)]
+    lines = ["| path | median s (min - max) | time / mcore: median of per-rep ratios | ratio of fastest "
+             "runs | peak extra / fp32 logits shard (max over reps) | peak extra MiB |",
+             "|---|---|---|---|---|---|"]
+    for c, rs in runs.items():
+        t = [r["time"] for r in rs]
+        ratios = [a / b["time"] for a, b in zip(t, ref)]
+        extra = max(r["extra"] for r in rs)
+        lines.append(f"| {_label(c)} | {statistics.median(t):.2f} ({min(t):.2f} - {max(t):.2f}) "
+                     f"| {statistics.median(ratios):.2f}x | {min(t) / min(r['time'] for r in ref):.2f}x "
+                     f"| {extra / shard:.3f}x | {extra / 2**20:.0f} |")
+    return "\n".join(lines)
+
+
+def verdict(runs, shard: int, case) -> str:
+    ref = [r["time"] for r in runs[("mcore", None)]]
+    t = [r["time"] for r in runs[case]]
+    ratio = statistics.median(a / b for a, b in zip(t, ref))
+    fastest = min(t) / min(ref)
+    mem = max(r["extra"] for r in runs[case]) / shard
+    return (f"{_label(case)}: time {ratio:.2f}x median ({fastest:.2f}x fastest) vs <= {TARGET_TIME}x: "
+            f"{'met' if max(ratio, fastest) <= TARGET_TIME else 'NOT met'}; peak extra {mem:.3f}x a shard "
+            f"vs <= {TARGET_MEM}x: {'met' if mem <= TARGET_MEM else 'NOT met'}")
+
+
+def scaling(cases, token_counts, unfused_max, vocab, h, first: dict) -> str:
+    """Peak extra MiB per path against tokens; the unfused paths stop at unfused_max tokens."""
+    shard = lambda n: n * (vocab // TP) * 4  # noqa: E731
+    lines = ["| tokens | fp32 logits shard MiB | " + " | ".join(f"{_label(c)} MiB (x shard)" for c in cases)
+             + " |", "|---" * (2 + len(cases)) + "|"]
+    for n in token_counts:
+        cells = []
+        for c in cases:
+            if c[0] != "fused" and n > unfused_max:
+                cells.append("-")
+                continue
+            r = first[c] if n == token_counts[0] else measure(*c, n, vocab, h)
+            cells.append(f"{r['extra'] / 2**20:.0f} ({r['extra'] / shard(n):.3f}x)")
+            print(f"scaling {n} {_label(c)}: {cells[-1]}", flush=True)
+        lines.append(f"| {n} | {shard(n) / 2**20:.0f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="s=256, V=32000, 1 rep, scaling to 1024 tokens")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--chunk-rows", type=int, nargs="+", default=[0],
+                    help="fused chunk_rows to run (0: the op's default)")
+    ap.add_argument("--no-auto", action="store_true", help="skip the inplace_backward='auto' path")
+    ap.add_argument("--scaling", type=int, nargs="*", default=[2048, 4096, 8192, 16384, 32768],
+                    help="token counts of the memory table (the first must be --tokens; none: skip)")
+    ap.add_argument("--unfused-max", type=int, default=8192, help="largest token count for unfused paths")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.tokens, args.vocab, args.reps, args.scaling, args.unfused_max = 256, 32000, 1, [256, 1024], 512
+    if args.scaling and args.scaling[0] != args.tokens:
+        ap.error(f"--scaling: the first token count must be --tokens ({args.tokens}), found {args.scaling[0]}")
+    fused = [("fused", c or None) for c in args.chunk_rows]
+    cases = [("mcore", None), ("ours", None)] + ([] if args.no_auto else [("ours_auto", None)]) + fused
+    shard = args.tokens * (args.vocab // TP) * 4
+
+    from megatron_cispo.testing import spawn
+
+    diffs = spawn(_check_worker, TP, args=(args.tokens, args.vocab, args.hidden, cases), timeout_s=900)
+    worst = {c: [max(r[c][i] for r in diffs) for i in range(3)] for c in cases}
+    for c, (lp, gh, gw) in worst.items():
+        print(f"check {_label(c)}: max rel diff vs mcore: logprobs {lp:.1e}, hidden grad {gh:.1e}, "
+              f"weight grad {gw:.1e}", flush=True)
+        if max(lp, gh, gw) > CHECK_TOL:
+            raise SystemExit(f"{_label(c)} differs from megatron-core by more than {CHECK_TOL}; not timing")
+
+    runs = timing(cases, args.tokens, args.vocab, args.hidden, args.reps)
+    table = timing_table(runs, shard)
+    first = {c: max(runs[c], key=lambda r: r["extra"]) for c in cases}
+    mem_cases = [("mcore", None), ("ours", None), fused[0]]
+    mem = scaling(mem_cases, args.scaling, args.unfused_max, args.vocab, args.hidden, first) if args.scaling else ""
+    print(f"\nTP={TP}, fp32, s={args.tokens}, b=1, h={args.hidden}, V={args.vocab} (v_local "
+          f"{args.vocab // TP}); fp32 logits shard {shard / 2**20:.0f} MiB; {args.reps} reps; torch "
+          f"{torch.__version__}, {platform.machine()}, nproc={os.cpu_count()}, load average "
+          f"{os.getloadavg()[0]:.1f}\n\n{table}\n")
+    print("\n".join(verdict(runs, shard, c) for c in fused))
+    if mem:
+        print(f"\n{mem}")
+    print("\nchecks (max rel diff vs mcore: logprobs, hidden grad, weight grad): " + "; ".join(
+        f"{_label(c)} {max(v):.1e}" for c, v in worst.items()))
+
+
+if __name__ == "__main__":
+    main()
