@@ -22,6 +22,7 @@ The public names, all importable from `megatron_cispo` (docs/architecture.md has
     make_forward_step       step/       forward_step for get_forward_backward_func (the plugin)
     make_loss_func          step/       only the loss_func, for your own forward_step
     check_megatron_config   step/       fail fast on a model config that breaks the loss contract
+    set_megatron_hooks      step/       set the loop hooks megatron's schedules read, as Megatron-LM's train()
     reduce_metrics          step/       exact Metrics reduction over a process group
 
 Names load on first use, so `import megatron_cispo` pulls no megatron-core and never touches
@@ -49,6 +50,7 @@ _EXPORTS = {
     "make_forward_step": "megatron_cispo.step",
     "make_loss_func": "megatron_cispo.step",
     "check_megatron_config": "megatron_cispo.step",
+    "set_megatron_hooks": "megatron_cispo.step",
     "reduce_metrics": "megatron_cispo.step",
 }
 

@@ -14,6 +14,7 @@ from typing import Literal
 
 import torch
 
+from ..step.hooks import set_megatron_hooks
 from .specs import block_spec, grouped_gemm, layer_spec
 from .weights import init_layout_independent
 
@@ -184,15 +185,11 @@ def build_model(cfg: ModelConfig, *, tp: int, pp: int, vp: int | None = None, cp
     ddp_cfg = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False,
         average_in_collective=False)  # per-token loss: megatron divides by the global token count
-    from megatron.core.distributed import finalize_model_grads
-
     wrapped = [DistributedDataParallel(config=tcfg, ddp_config=ddp_cfg, module=c,
                                        disable_bucketing=(i > 0)) for i, c in enumerate(chunks)]
     # The schedules read these hooks off the config, as Megatron-LM's training loop sets them:
     # finalize_model_grads does the DP all-reduce and the 1/global-token scaling.
-    tcfg.finalize_model_grads_func = finalize_model_grads
-    no_sync = [c.no_sync for c in wrapped]
-    tcfg.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
+    set_megatron_hooks(wrapped)
     return wrapped
 
 
@@ -205,7 +202,7 @@ def build_optimizer(chunks, *, lr: float, optimizer: str = "adam", weight_decay:
                            adam_beta1=adam_beta1, adam_beta2=adam_beta2, bf16=bf16,
                            use_distributed_optimizer=False)
     optimizer = get_megatron_optimizer(ocfg, chunks)
-    chunks[0].config.grad_scale_func = optimizer.scale_loss
+    set_megatron_hooks(chunks, optimizer)
     return optimizer
 
 

@@ -3,13 +3,16 @@
     rollouts.py     Rollouts (a DP-local batch) and StepConfig (minibatches, epochs, temperature)
     packing.py      Rollouts -> microbatch dicts: packed THD bins or padded rows, CP chunks, weights
     forward.py      make_loss_func / make_forward_step (the loss plugin), the forward-only pass
+    head.py         the output head: logits, or fused (hidden states -> fused_token_logprobs)
+    hooks.py        check_megatron_config / set_megatron_hooks: the per-token loss and loop hooks
     moe.py          MoE aux/z-loss scaling under TP x CP on megatron-core 0.16 (#1652)
     policy_step.py  policy_step: pi_old plan, schedules, optimizer steps, global metrics
     pipeline.py     broadcasts from the last pipeline stage
     reduce.py       reduce_metrics: exact Metrics reduction over the DP x CP group
 Process groups appear here and in the logprob ops only. megatron-core is imported on first call.
 """
-from .forward import check_megatron_config, compute_logprobs, make_forward_step, make_loss_func
+from .forward import compute_logprobs, make_forward_step, make_loss_func
+from .hooks import check_megatron_config, set_megatron_hooks
 from .moe import moe_aux_loss_compensation
 from .policy_step import plan_old_logprobs, policy_step
 from .reduce import reduce_metrics
@@ -17,5 +20,5 @@ from .rollouts import Rollouts, StepConfig
 
 __all__ = [
     "Rollouts", "StepConfig", "check_megatron_config", "compute_logprobs", "make_forward_step", "make_loss_func",
-    "moe_aux_loss_compensation", "plan_old_logprobs", "policy_step", "reduce_metrics",
+    "moe_aux_loss_compensation", "plan_old_logprobs", "policy_step", "reduce_metrics", "set_megatron_hooks",
 ]

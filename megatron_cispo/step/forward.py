@@ -22,28 +22,12 @@ from torch import Tensor
 
 from ..config import LossConfig
 from ..losses import compute_policy_loss, per_token_policy_loss
+from .hooks import check_megatron_config
 from .head import head_logprobs, hidden_states_out, output_layer_of, unwrap
 from .packing import microbatches as build_microbatches
 from .packing import step_layout
 from .pipeline import broadcast_tensor_from_last_stage, is_last_stage
 from .rollouts import Rollouts, StepConfig
-
-
-def check_megatron_config(chunks) -> None:
-    """Fail when the model/DDP config breaks the per-token loss contract this plugin relies on."""
-    from megatron.core.utils import get_model_config
-
-    cfg = get_model_config(chunks[0])
-    if not getattr(cfg, "calculate_per_token_loss", False):
-        raise ValueError("megatron_cispo needs TransformerConfig.calculate_per_token_loss=True (got False): "
-                         "without it megatron divides each microbatch loss by its own token count and by "
-                         "num_microbatches, which is not the global token mean")
-    for chunk in chunks:
-        ddp = getattr(chunk, "ddp_config", None)
-        if ddp is not None and getattr(ddp, "average_in_collective", False):
-            raise ValueError("megatron_cispo needs DistributedDataParallelConfig.average_in_collective=False "
-                             "(got True): with per-token loss, megatron scales gradients by 1/global tokens "
-                             "itself, and averaging in the collective would divide by DP size again")
 
 
 def forward_step_for(loss_func, calls: Optional[list] = None, head: str = "logits"):
@@ -140,12 +124,21 @@ def make_forward_step(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_s
                       old_from_current: bool = False, entropy: bool = True, calls: Optional[list] = None):
     """forward_step(data_iterator, model) for megatron-core's schedules: the whole loss plugin.
 
-    The iterator yields microbatch dicts (step.packing); loss_func is `make_loss_func`'s.
+    The iterator yields microbatch dicts (step.packing); loss_func is `make_loss_func`'s. The first
+    call checks the model config (check_megatron_config: per-token loss and the loop's hooks).
     `calls`, if given, gets one entry per model forward (for tests and benchmarks).
     """
     loss_func = make_loss_func(loss_cfg, temperature=temperature, vocab_size=vocab_size,
                                old_from_current=old_from_current, entropy=entropy)
-    return forward_step_for(loss_func, calls, head=loss_cfg.head)
+    step = forward_step_for(loss_func, calls, head=loss_cfg.head)
+    checked: list = []
+
+    def forward_step(data_iterator, model):
+        if not checked:  # an in-house loop may have skipped Megatron-LM's train() hooks
+            check_megatron_config([model])
+            checked.append(True)
+        return step(data_iterator, model)
+    return forward_step
 
 
 def run_schedule(chunks, forward_step, microbatches: list, *, forward_only: bool):

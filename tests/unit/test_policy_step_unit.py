@@ -35,10 +35,34 @@ def test_old_logprob_pass_can_be_forced():
     assert plan == "pass"
 
 
-def _fake_chunk(per_token=True, average_in_collective=False):
-    config = types.SimpleNamespace(calculate_per_token_loss=per_token)
-    return types.SimpleNamespace(config=config,
-                                 ddp_config=types.SimpleNamespace(average_in_collective=average_in_collective))
+def _fake_chunk(per_token=True, average_in_collective=False, finalize=True, fp16=False, overlap=False):
+    config = types.SimpleNamespace(calculate_per_token_loss=per_token, fp16=fp16, grad_scale_func=None,
+                                   no_sync_func=None, finalize_model_grads_func=print if finalize else None)
+    return types.SimpleNamespace(config=config, ddp_config=types.SimpleNamespace(
+        average_in_collective=average_in_collective, overlap_grad_reduce=overlap))
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(finalize=False), "no finalize_model_grads_func: .*skip the data-parallel gradient all-reduce"),
+    (dict(fp16=True), "fp16 training needs the model config's grad_scale_func"),
+    (dict(overlap=True), "overlap_grad_reduce=True needs the model config's no_sync_func"),
+])
+def test_a_missing_training_loop_hook_fails_and_says_how_to_set_it(kw, message):
+    with pytest.raises(ValueError, match=message + ".*set_megatron_hooks"):
+        check_megatron_config([_fake_chunk(**kw)])
+
+
+def test_set_megatron_hooks_sets_what_megatron_lms_train_sets():
+    from megatron.core.distributed import finalize_model_grads
+
+    from megatron_cispo.step import set_megatron_hooks
+
+    chunk = _fake_chunk(finalize=False, fp16=True, overlap=True)
+    chunk.no_sync = object()
+    set_megatron_hooks([chunk], types.SimpleNamespace(scale_loss=abs))
+    assert chunk.config.finalize_model_grads_func is finalize_model_grads
+    assert chunk.config.grad_scale_func is abs and chunk.config.no_sync_func is chunk.no_sync
+    check_megatron_config([chunk])
 
 
 def test_check_megatron_config_requires_per_token_loss():
