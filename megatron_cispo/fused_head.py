@@ -54,10 +54,10 @@ class _FusedTokenLogprobs(torch.autograd.Function):
     def forward(ctx, hidden: Tensor, weight: Tensor, lt: Tensor, owned: Tensor, valid: Tensor,
                 plan: _Plan, head: _Head):
         ctx.hidden_meta = (hidden.shape, hidden.dtype)  # this rank's: the gradient's shape and dtype
-        if head.sequence_parallel and plan.group is not None:  # [s/tp, b, h] -> [s, b, h]
-            full = hidden.new_empty((hidden.shape[0] * head.tp, *hidden.shape[1:]))
-            _all_gather(full, hidden.contiguous(), group=plan.group)
-            hidden = full
+        gather = head.sequence_parallel and plan.group is not None
+        local = hidden.contiguous() if gather else None
+        if gather:  # [s/tp, b, h] -> [s, b, h]
+            hidden = _gather_sequence(local, plan.group, head.tp)
         x = hidden.reshape(-1, hidden.shape[-1])  # [N, h]; a copy only for a non-contiguous view
         nv, entropy = plan.n_valid, plan.entropy
         wc = weight[:nv].to(head.compute)  # a copy only when head_dtype differs from the weight's
@@ -73,7 +73,9 @@ class _FusedTokenLogprobs(torch.autograd.Function):
                          None if e is None else e[r0:r1], plan.temperature)
         lp, ent, s, e_mean = _reduce_stats(m, s, e, tx, owned, valid, plan)
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(x, weight)
+        # Under SP keep only this rank's slice, as ColumnParallelLinear does, and gather it again
+        # in backward: the gathered [N, h] would be tp times the activation memory.
+        ctx.save_for_backward(local if gather else x, weight)
         ctx.plan, ctx.head, ctx.stats = plan, head, (m, s, e_mean, lt, owned, valid)
         shape = hidden.shape[:-1]
         return (lp.view(shape), ent.view(shape)) if entropy else lp.view(shape)
@@ -83,6 +85,9 @@ class _FusedTokenLogprobs(torch.autograd.Function):
     def backward(ctx, g_lp: Tensor | None, g_ent: Tensor | None = None):
         x, weight = ctx.saved_tensors
         plan, head = ctx.plan, ctx.head
+        if head.sequence_parallel and plan.group is not None:
+            x = _gather_sequence(x, plan.group, head.tp)
+            x = x.view(-1, x.shape[-1])
         need_h, need_w = ctx.needs_input_grad[:2]
         nv, cd, t = plan.n_valid, head.compute, plan.temperature
         coef, active = _grad_rows(g_lp, g_ent, ctx.stats, t)
@@ -118,6 +123,13 @@ class _FusedTokenLogprobs(torch.autograd.Function):
             shape, dtype = ctx.hidden_meta
             gh = gh.view(shape).to(dtype)
         return gh, gw, None, None, None, None, None
+
+
+def _gather_sequence(local: Tensor, group, tp: int) -> Tensor:
+    """[s/tp, b, h] (contiguous) on every TP rank -> [s, b, h] in rank order: one all-gather."""
+    full = local.new_empty((local.shape[0] * tp, *local.shape[1:]))
+    _all_gather(full, local, group=group)
+    return full
 
 
 def _sum_hidden_grad(gh: Tensor, group, head: _Head) -> Tensor:

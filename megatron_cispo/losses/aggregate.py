@@ -18,22 +18,8 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: str, max_len: int | None = 
       seq_mean_token_sum       sum over seqs of (token sum)   / seqs with >= 1 valid token
       seq_mean_token_sum_norm  sum over seqs of (token sum) / max_len, same denominator
     """
-    per_token = torch.where(mask, per_token, 0.0)
-    if mode == "token_mean":
-        return per_token.sum(), mask.sum().float()
-    tokens = mask.sum(-1).float()  # [b]
-    seq_sum = per_token.sum(-1)  # [b]
-    seqs = (tokens > 0).sum().float()
-    if mode == "seq_mean_token_mean":
-        return (seq_sum / tokens.clamp(min=1.0)).sum(), seqs
-    if mode == "seq_mean_token_sum":
-        return seq_sum.sum(), seqs
-    if mode == "seq_mean_token_sum_norm":
-        if not max_len or max_len <= 0:
-            raise ValueError(f"max_len must be > 0 for loss_agg='seq_mean_token_sum_norm', got {max_len!r}")
-        return seq_sum.sum() / max_len, seqs
-    raise ValueError(f"loss_agg must be one of token_mean, seq_mean_token_mean, seq_mean_token_sum, "
-                     f"seq_mean_token_sum_norm, got {mode!r}")
+    weight, _, denominator = token_weights(mask, mode, max_len)
+    return (torch.where(mask, per_token, 0.0) * weight).sum(), denominator
 
 
 def finalize(loss_sum: Tensor, denominator: Tensor) -> Tensor:

@@ -51,7 +51,7 @@ def head_logprobs(mb: dict, output: Tensor, *, temperature: float, vocab_size: O
     """Token logprobs [b, s] fp32 (and entropy) of microbatch `mb` from the model's output: logits
     [b, s, v/tp], or with "head_weight" in mb the hidden states [b, s(/tp), h] for the fused head.
     Untrained positions are masked, so pad ids are never range-checked or scored."""
-    targets, mask = mb["targets"], mb["loss_mask"]
+    targets, mask = mb["targets"], mb["loss_mask"] != 0  # Megatron's loss masks are often float
     if "head_weight" in mb:
         from ..fused_head import fused_token_logprobs
 

@@ -16,7 +16,10 @@ _HOW = ("call megatron_cispo.step.set_megatron_hooks(chunks, optimizer) once aft
 
 def set_megatron_hooks(chunks, optimizer=None) -> None:
     """Set the hooks megatron's schedules read, as Megatron-LM's train() does: finalize_model_grads,
-    the optimizer's loss scaling (when an optimizer is given) and the DDP no_sync context(s)."""
+    the optimizer's loss scaling (when an optimizer is given) and the DDP no_sync context(s).
+    grad_sync_func / param_sync_func (train() sets them only under align_grad_reduce /
+    align_param_gather with overlapped communication) are left out: they change overlap, not
+    the gradients."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.utils import get_model_config
 

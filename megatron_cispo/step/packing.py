@@ -45,8 +45,8 @@ def first_fit_decreasing(sizes: list[int], budget: int) -> list[list[int]]:
     free: list[int] = []
     for i in sorted(range(len(sizes)), key=lambda k: (-sizes[k], k)):
         if sizes[i] > budget:
-            raise ValueError(f"sequence {i} needs {sizes[i]} tokens (padded), more than "
-                             f"max_tokens_per_microbatch={budget}; raise the budget")
+            raise ValueError(f"row {i} has {sizes[i]} tokens, more than max_tokens_per_microbatch={budget}; "
+                             "raise the budget")
         for b, room in enumerate(free):
             if sizes[i] <= room:
                 bins[b].append(i)
@@ -94,6 +94,10 @@ def plan_bins(batch: Rollouts, budget: int, window: Optional[int] = None) -> lis
     layout, as padded microbatches do. (An MoE router's load-balancing loss is per microbatch.)
     """
     sizes = batch.target_lengths().tolist()
+    if sizes and max(sizes) > budget:
+        i = sizes.index(max(sizes))
+        raise ValueError(f"row {i} has {sizes[i]} tokens, more than max_tokens_per_microbatch={budget}; "
+                         "raise the budget")
     window = window or len(sizes) or 1
     bins = []
     for start in range(0, len(sizes), window):
@@ -215,8 +219,9 @@ def microbatches(batch: Rollouts, loss_cfg: Optional[LossConfig], step_cfg: Step
                  dp_group) -> list[dict]:
     """`batch` (DP-local; one optimizer step's share) as microbatch dicts for the schedule.
 
-    With a loss_cfg, attach the exact global normalisation (without: a forward-only pass). The per-token aggregation weights come from
-    the whole batch, and one SUM all-reduce over DP gives the global denominator D and the global
+    With a loss_cfg, attach the exact global normalisation (without: a forward-only pass). The
+    per-token aggregation weights come from the whole batch, and one SUM all-reduce over DP gives
+    the global denominator D and the global
     count N of model tokens; each microbatch returns loss_scale * sum(weight * loss) with
     loss_scale = N / D and num_tokens = its own model tokens, so megatron's division by the
     summed num_tokens (N) leaves the exact global loss, and an MoE router's aux loss is scaled by
@@ -232,11 +237,19 @@ def microbatches(batch: Rollouts, loss_cfg: Optional[LossConfig], step_cfg: Step
     if step_cfg.max_tokens_per_microbatch is None:
         mbs = padded_microbatches(batch, (w, share), micro_batch_size=step_cfg.micro_batch_size, layout=layout)
     else:
-        bins = plan_bins(batch, step_cfg.max_tokens_per_microbatch, step_cfg.micro_batch_size)
-        count = torch.tensor([len(bins)], dtype=torch.int64, device=dev)
+        budget = step_cfg.max_tokens_per_microbatch
+        longest = int(batch.target_lengths().max()) if batch.tokens.shape[0] else 0
+        bins = plan_bins(batch, budget, step_cfg.micro_batch_size) if longest <= budget else []
+        # One MAX over DP: every rank runs as many bins as the busiest (the EP all-to-all spans DP),
+        # and a row over the budget on any rank stops every rank here, not one in a collective.
+        stats = torch.tensor([len(bins), longest], dtype=torch.int64, device=dev)
         if dist.is_initialized() and dist.get_world_size(dp_group) > 1:
-            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)  # EP all-to-all spans DP
-        bins += [[] for _ in range(int(count) - len(bins))]
+            dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=dp_group)
+        count, longest = stats.tolist()
+        if longest > budget:
+            raise ValueError(f"a row of {longest} tokens (on some data-parallel rank) exceeds "
+                             f"max_tokens_per_microbatch={budget}; raise the budget")
+        bins += [[] for _ in range(count - len(bins))]
         mbs = packed_microbatches(batch, (w, share), bins, layout=layout)
     if loss_cfg is not None:
         totals = torch.stack([denom.double(), batch.target_lengths().sum().double()]).to(dev)
