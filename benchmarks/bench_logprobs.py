@@ -74,7 +74,8 @@ def _worker(tp, dtype_name, tokens, vocab, reps, threads):
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     from megatron_cispo.runner import distributed
-    from megatron_cispo.logprobs import release_workspace, token_logprobs
+    from megatron_cispo.logprobs import token_logprobs
+    from megatron_cispo.vocab_softmax import release_workspace
 
     _release_freed_memory()
     torch.set_num_threads(threads)

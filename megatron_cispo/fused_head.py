@@ -14,14 +14,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .logprobs import (IGNORE_INDEX, _DTYPES, _Plan, _chunk_grad, _chunk_stats, _empty_stats,
-                       _grad_rows, _plan_targets, _reduce_stats, _resolve_group, _row_chunks,
-                       _workspace)
+from .vocab_softmax import (DTYPES, IGNORE_INDEX, Plan, chunk_grad, chunk_stats, empty_stats, grad_rows,
+                            plan_targets, reduce_stats, resolve_group, row_chunks, workspace)
 
 # Newer torch renames the tensor collectives (the old names warn); older torch has only the old.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-# The default chunk (logprobs.py's _CHUNK_BYTES) holds as few as 32 rows at a 32k vocabulary on
+# The default chunk (logprobs.py's CHUNK_BYTES) holds as few as 32 rows at a 32k vocabulary on
 # CPU: too few for a matmul to run near peak (measured 1.5x slower than 128 rows, s=512, h=256).
 _MIN_DEFAULT_CHUNK_ROWS = 128
 
@@ -43,7 +42,7 @@ def _reduce_scatter_via_all_reduce(group) -> bool:
 
 def _chunk_logits(hc: Tensor, wc: Tensor, w: Tensor) -> Tensor:
     """hc [r, h] @ wc[nv, h].T in their (common) dtype; fp32 logits are written straight into the
-    fp32 workspace w [r, nv], which _chunk_stats / _chunk_grad then work on in place."""
+    fp32 workspace w [r, nv], which chunk_stats / chunk_grad then work on in place."""
     if hc.dtype == torch.float32:
         return torch.mm(hc, wc.t(), out=w)
     return torch.mm(hc, wc.t())
@@ -52,7 +51,7 @@ def _chunk_logits(hc: Tensor, wc: Tensor, w: Tensor) -> Tensor:
 class _FusedTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, lt: Tensor, owned: Tensor, valid: Tensor,
-                plan: _Plan, head: _Head):
+                plan: Plan, head: _Head):
         ctx.hidden_meta = (hidden.shape, hidden.dtype)  # this rank's: the gradient's shape and dtype
         gather = head.sequence_parallel and plan.group is not None
         local = hidden.contiguous() if gather else None
@@ -61,17 +60,17 @@ class _FusedTokenLogprobs(torch.autograd.Function):
         x = hidden.reshape(-1, hidden.shape[-1])  # [N, h]; a copy only for a non-contiguous view
         nv, entropy = plan.n_valid, plan.entropy
         wc = weight[:nv].to(head.compute)  # a copy only when head_dtype differs from the weight's
-        m, s, e = _empty_stats(x.shape[0], entropy, x.device)
+        m, s, e = empty_stats(x.shape[0], entropy, x.device)
         tx = torch.zeros_like(s)  # target logit; valid on its owner only
-        ws = _workspace((2 if entropy else 1) * plan.chunk_rows * nv, x.device)
-        for r0, r1 in _row_chunks(x.shape[0] if nv else 0, plan.chunk_rows):
+        ws = workspace((2 if entropy else 1) * plan.chunk_rows * nv, x.device)
+        for r0, r1 in row_chunks(x.shape[0] if nv else 0, plan.chunk_rows):
             n = (r1 - r0) * nv
             w = ws[:n].view(r1 - r0, nv)
             logits = _chunk_logits(x[r0:r1].to(head.compute), wc, w)
             tx[r0:r1] = logits.gather(1, lt[r0:r1, None]).squeeze(1)
-            _chunk_stats(w, ws[n:2 * n].view_as(w) if entropy else None, logits, m[r0:r1], s[r0:r1],
+            chunk_stats(w, ws[n:2 * n].view_as(w) if entropy else None, logits, m[r0:r1], s[r0:r1],
                          None if e is None else e[r0:r1], plan.temperature)
-        lp, ent, s, e_mean = _reduce_stats(m, s, e, tx, owned, valid, plan)
+        lp, ent, s, e_mean = reduce_stats(m, s, e, tx, owned, valid, plan)
         ctx.set_materialize_grads(False)
         # Under SP keep only this rank's slice, as ColumnParallelLinear does, and gather it again
         # in backward: the gathered [N, h] would be tp times the activation memory.
@@ -90,7 +89,7 @@ class _FusedTokenLogprobs(torch.autograd.Function):
             x = x.view(-1, x.shape[-1])
         need_h, need_w = ctx.needs_input_grad[:2]
         nv, cd, t = plan.n_valid, head.compute, plan.temperature
-        coef, active = _grad_rows(g_lp, g_ent, ctx.stats, t)
+        coef, active = grad_rows(g_lp, g_ent, ctx.stats, t)
         wc = weight[:nv].to(cd)
         rows = (active.nonzero().squeeze(1) if nv and (need_h or need_w)  # host sync: rows to skip
                 else torch.zeros(0, dtype=torch.long, device=x.device))
@@ -102,13 +101,13 @@ class _FusedTokenLogprobs(torch.autograd.Function):
         acc = torch.zeros(gw[:nv].shape, dtype=torch.float32, device=x.device) if own_acc else (
             None if gw is None else gw[:nv])
         n_ws = 1 if coef.a is None else 2
-        ws = _workspace(n_ws * plan.chunk_rows * nv, x.device)
-        for c0, c1 in _row_chunks(rows.numel(), plan.chunk_rows):
+        ws = workspace(n_ws * plan.chunk_rows * nv, x.device)
+        for c0, c1 in row_chunks(rows.numel(), plan.chunk_rows):
             idx = slice(c0, c1) if dense else rows[c0:c1]
             n = (c1 - c0) * nv
             w = ws[:n].view(c1 - c0, nv)
             hc = x[idx].to(cd)
-            g = _chunk_grad(w, None if coef.a is None else ws[n:2 * n].view_as(w),
+            g = chunk_grad(w, None if coef.a is None else ws[n:2 * n].view_as(w),
                             _chunk_logits(hc, wc, w), coef.take(idx), t).to(cd)  # d loss / d logits
             if need_h:
                 gh[idx] = g @ wc
@@ -178,19 +177,19 @@ def fused_token_logprobs(
     parallelism). Host syncs: one validates targets, one in backward counts the rows to skip.
     """
     for name, tensor, dim in (("hidden", hidden, 3), ("weight", weight, 2)):
-        if tensor.dtype not in _DTYPES or tensor.dim() != dim:
+        if tensor.dtype not in DTYPES or tensor.dim() != dim:
             raise ValueError(f"{name}: expected a {dim}-d fp32/bf16/fp16 tensor, found {tensor.dtype} "
                              f"of shape {tuple(tensor.shape)}")
     if weight.shape[1] != hidden.shape[-1] or weight.device != hidden.device:
         raise ValueError(f"weight: expected [v_local, {hidden.shape[-1]}] on {hidden.device} (hidden's "
                          f"h and device), found {tuple(weight.shape)} on {weight.device}")
-    if head_dtype is not None and head_dtype not in _DTYPES:
+    if head_dtype is not None and head_dtype not in DTYPES:
         raise ValueError(f"head_dtype: expected None, torch.float32, torch.bfloat16 or torch.float16, "
                          f"found {head_dtype!r}")
     if head_dtype is None and hidden.dtype != weight.dtype:
         raise ValueError(f"hidden and weight: expected one dtype, found {hidden.dtype} and "
                          f"{weight.dtype}; pass head_dtype= to run the head in one of them")
-    _, tp, rank = _resolve_group(tp_group)
+    _, tp, rank = resolve_group(tp_group)
     sp = bool(sequence_parallel)
     seq = hidden.shape[0] * (tp if sp else 1)
     if (targets.shape != (seq, hidden.shape[1]) or targets.dtype.is_floating_point
@@ -198,7 +197,7 @@ def fused_token_logprobs(
         where = f" ({tp} sequence-parallel slices of {hidden.shape[0]})" if sp else ""
         raise ValueError(f"targets: expected integer ids of shape {(seq, hidden.shape[1])}, hidden's "
                          f"[s, b]{where}, found {targets.dtype} of shape {tuple(targets.shape)}")
-    plan, lt, owned, valid = _plan_targets(
+    plan, lt, owned, valid = plan_targets(
         targets, weight.shape[0], hidden.device, tp_group=tp_group, temperature=temperature,
         return_entropy=return_entropy, vocab_size=vocab_size, mask=mask, ignore_index=ignore_index,
         chunk_rows=chunk_rows)

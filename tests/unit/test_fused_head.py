@@ -7,7 +7,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from megatron_cispo.fused_head import fused_token_logprobs
-from megatron_cispo.logprobs import release_workspace, token_logprobs
+from megatron_cispo.logprobs import token_logprobs
+from megatron_cispo.vocab_softmax import release_workspace
 
 S, B, H, V = 6, 4, 16, 200
 

@@ -1,4 +1,5 @@
-"""Megatron-LM drop-in: recorded 0.16 API, numerics against Megatron-LM's formula and our losses.
+"""Megatron-LM drop-in: recorded 0.16 API, numerics against Megatron-LM's formula and our losses,
+and the measured bf16 logprob rounding that docs/integration.md section 2 quotes.
 
 No Megatron-LM checkout needed; tests/unit/test_megatron_lm_patch.py covers install() and the
 launcher on a stand-in module tree, test_megatron_lm_checkout.py a real checkout (MEGATRON_LM_DIR).
@@ -6,6 +7,7 @@ launcher on a stand-in module tree, test_megatron_lm_checkout.py a real checkout
 import argparse
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -238,3 +240,31 @@ def test_dropin_does_not_mask_a_nonfinite_current_logprob_like_compute_policy_lo
     want = compute_policy_loss(LossConfig(policy_loss="cispo"), logprobs=cur.detach(), advantages=x["advantages"],
                                loss_mask=torch.ones(B, S, dtype=torch.bool), old_logprobs=x["old_logprobs"])
     assert want.metrics.values()["policy/nonfinite_dropped"] == 0 and not torch.isfinite(want.loss)
+
+
+# ------------------------------------------------------------ bf16 logprob precision (documented)
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "integration.md"
+
+
+def bf16_ratio_error(magnitude: float, n: int = 200_000, seed: int = 0) -> dict[str, float]:
+    """Relative error |r_bf16 / r - 1| of the ratio r = exp(lp - lp_anchor) when logprobs with
+    |lp| uniform in [magnitude, 2 * magnitude) are rounded to bf16: the current one only (anchor
+    exact, e.g. fp32 sampler logprobs), or both independently. fp64 truth; percentages."""
+    g = torch.Generator().manual_seed(seed)
+    lp = -magnitude * (1 + torch.rand(2, n, generator=g, dtype=torch.float64))
+    err = lp.to(torch.bfloat16).double() - lp  # rounding error of each logprob
+    one, both = err[0].exp().sub(1).abs(), (err[0] - err[1]).exp().sub(1).abs()
+    return {"one_max": 100 * one.max().item(), "one_mean": 100 * one.mean().item(),
+            "both_max": 100 * both.max().item(), "both_mean": 100 * both.mean().item()}
+
+
+@pytest.mark.parametrize("magnitude", [1, 8, 16])
+def test_bf16_logprob_ratio_error_is_the_one_documented(magnitude):
+    e = bf16_ratio_error(magnitude)
+    # bf16 keeps 8 significant bits: half a spacing is |lp| * 2**-8 at the bottom of the range
+    bound = math.expm1(magnitude * 2.0 ** -8)
+    assert 0.99 * bound < e["one_max"] / 100 <= bound * (1 + 1e-9)
+    row = (f"| [{magnitude}, {2 * magnitude}) | {e['one_max']:.2f}% | {e['one_mean']:.2f}% | "
+           f"{e['both_max']:.2f}% | {e['both_mean']:.2f}% |")
+    assert row in DOC.read_text(), f"docs/integration.md section 2's precision table lacks the measured row {row}"

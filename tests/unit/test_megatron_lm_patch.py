@@ -1,8 +1,11 @@
 """install(), the launcher and the vocab-parallel get_logprobs on a stand-in Megatron-LM module tree.
 
 The stand-ins have the real module paths, attribute names and 0.16 signatures (no Megatron code):
-megatron.rl.rl_utils, megatron.training (pretrain, get_args), megatron.core.package_info, train_rl.
+megatron.rl.rl_utils, megatron.training (pretrain, get_args), megatron.core.package_info, train_rl;
+the model stand-ins have the forward signatures of megatron-core 0.16's GPTModel, Float16Module
+and DistributedDataParallel (checked against the installed megatron-core).
 """
+import inspect
 import argparse
 import sys
 import types
@@ -12,7 +15,9 @@ import pytest
 import torch
 
 from megatron_cispo.integrations import megatron_lm as mlm
+from megatron_cispo.integrations.megatron_lm import dropin, patch, vocab_logprobs
 from megatron_cispo.integrations.megatron_lm import run as launcher
+from megatron_cispo.integrations.megatron_lm.patch import describe_params
 
 
 def _orig_calculate_grpo_loss(current_logprobs, old_logprobs, ref_logprobs, advantages, clamp_eps_lower,
@@ -29,6 +34,13 @@ def _stub(*a, **k):
     return None
 
 
+def _get_attr_wrapped_model(model, attr):
+    """Megatron's helper: the attribute of the first module in the DDP / Float16Module chain that has it."""
+    while not hasattr(model, attr) and hasattr(model, "module"):
+        model = model.module
+    return getattr(model, attr)
+
+
 class _Tree:
     """Builds the stand-in modules into sys.modules (undone by monkeypatch)."""
 
@@ -38,7 +50,7 @@ class _Tree:
         rl.__file__ = "/fake/megatron/rl/rl_utils.py"
         names = dict(calculate_grpo_loss=calculate_grpo_loss, get_logprobs=_orig_get_logprobs,
                      get_rl_runtime_state=_stub, load_packed_data_by_index=_stub, get_args=lambda: self.args,
-                     get_attr_wrapped_model=lambda m, attr: getattr(m, attr), is_pp_last_stage=lambda pp: pp == "last",
+                     get_attr_wrapped_model=_get_attr_wrapped_model, is_pp_last_stage=lambda pp: pp == "last",
                      get_default_packed_seq_params=_stub)
         for name, obj in names.items():
             if name not in drop:
@@ -112,6 +124,35 @@ def test_install_patches_rl_utils_and_names_train_rl_imported_and_is_idempotent(
     assert tree.train_rl.pretrain is tree.pretrain and not mlm.installed()
 
 
+def test_uninstall_restores_megatrons_names_and_leaves_megatron_cispos_own(monkeypatch):
+    tree = _Tree(monkeypatch)
+    ours = {"calculate_grpo_loss": dropin.calculate_grpo_loss, "get_logprobs": vocab_logprobs.get_logprobs}
+    homes = {"calculate_grpo_loss": (mlm, dropin, patch), "get_logprobs": (mlm, vocab_logprobs, patch)}
+    mlm.install()
+    mlm.uninstall()
+    for name, fn in ours.items():
+        for mod in homes[name]:
+            assert getattr(mod, name) is fn, f"{mod.__name__}.{name} was rebound to Megatron's"
+        assert patch.REPLACEMENTS[name] is fn
+    for mod in (tree.rl, tree.train_rl):
+        assert mod.calculate_grpo_loss is _orig_calculate_grpo_loss and mod.get_logprobs is _orig_get_logprobs
+    mlm.install()  # a second round trip patches with our functions again
+    assert tree.train_rl.get_logprobs is ours["get_logprobs"] and mlm.installed()
+
+
+def test_install_sweep_patches_foreign_modules_but_never_megatron_cispos(monkeypatch):
+    tree = _Tree(monkeypatch)
+    inside, outside = types.ModuleType("megatron_cispo._holder"), types.ModuleType("user_loop")
+    inside.get_logprobs = outside.get_logprobs = _orig_get_logprobs
+    monkeypatch.setitem(sys.modules, inside.__name__, inside)
+    monkeypatch.setitem(sys.modules, outside.__name__, outside)
+    mlm.install()
+    assert outside.get_logprobs is mlm.get_logprobs and tree.train_rl.get_logprobs is mlm.get_logprobs
+    assert inside.get_logprobs is _orig_get_logprobs
+    mlm.uninstall()
+    assert outside.get_logprobs is _orig_get_logprobs
+
+
 def test_install_fails_clearly_on_a_mismatched_signature_and_patches_nothing(monkeypatch):
     def older(current_logprobs, old_logprobs, ref_logprobs, advantages, clamp_eps_lower, clamp_eps_upper,
               kl_beta, entropy_weight, inference_logprobs=None, is_truncation_coef=None):
@@ -173,33 +214,97 @@ def test_launcher_without_a_script_prints_usage(capsys):
 
 
 class _Model:
+    """GPTModel's last stage: forward has GPTModel.forward's exact parameters (no **kwargs, no
+    fp32_output), so a keyword it lacks raises TypeError as in Megatron."""
+
     def __init__(self, logits):
         self.logits, self.calls = logits, []
         self.config = types.SimpleNamespace(flash_decode=True)
         self.pg_collection = types.SimpleNamespace(pp="last", tp=None)
 
-    def __call__(self, tokens, position_ids, attention_mask, **kwargs):
-        self.calls.append((self.config.flash_decode, kwargs))
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
+                inference_context=None, packed_seq_params=None, extra_block_kwargs=None,
+                runtime_gather_output=None, *, inference_params=None, loss_mask=None, padding_mask=None):
+        self.calls.append((self.config.flash_decode, {"runtime_gather_output": runtime_gather_output}))
+        return self._output()
+
+    def _output(self):
         return self.logits
+
+
+class Float16Module:
+    """megatron.core.transformer.module.Float16Module: upcasts the output unless fp32_output=False."""
+
+    def __init__(self, module):
+        self.module, self.config, self.fp32_output = module, module.config, []
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *inputs, fp32_output=True, **kwargs):
+        self.fp32_output.append(fp32_output)
+        out = self.module(*inputs, **kwargs)
+        return out.float() if fp32_output else out
+
+
+class DistributedDataParallel(Float16Module):
+    """megatron.core.distributed.DistributedDataParallel: passes everything through."""
+
+    def forward(self, *inputs, **kwargs):
+        return self.module(*inputs, **kwargs)
+
+
+def test_model_stand_ins_have_megatron_cores_forward_signatures():
+    from megatron.core.distributed import DistributedDataParallel as DDP
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.module import Float16Module as F16
+
+    for ours, theirs in ((_Model, GPTModel), (Float16Module, F16), (DistributedDataParallel, DDP)):
+        assert describe_params(ours.forward) == describe_params(theirs.forward), theirs.__name__
+    assert "fp32_output" not in inspect.signature(GPTModel.forward).parameters
+
+
+def _args(bf16):
+    return argparse.Namespace(fp16=False, bf16=bf16, rl_sequence_packing_max_sequences_per_bin=8)
+
+
+def test_get_logprobs_passes_fp32_output_only_through_a_float16module(monkeypatch):
+    tree = _Tree(monkeypatch)
+    logits = torch.randn(2, 6, 11, generator=torch.Generator().manual_seed(4))
+    tokens = torch.randint(0, 11, (2, 6), generator=torch.Generator().manual_seed(5))
+    # fp32 run: DDP(GPTModel), no Float16Module. Passing fp32_output would be a TypeError.
+    tree.args = _args(bf16=False)
+    for model in (_Model(logits), DistributedDataParallel(_Model(logits))):
+        assert mlm.get_logprobs(model, tokens, None).dtype == torch.float32
+    # bf16 run: DDP(Float16Module(GPTModel)) gets Megatron-LM's fp32_output=False, so no fp32 upcast.
+    tree.args = _args(bf16=True)
+    inner = _Model(logits.bfloat16())
+    f16 = Float16Module(inner)
+    assert mlm.get_logprobs(DistributedDataParallel(f16), tokens, None).dtype == torch.bfloat16
+    assert f16.fp32_output == [False] and inner.calls[0][1] == {"runtime_gather_output": False}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_vocab_parallel_get_logprobs_keeps_the_shard_and_matches_log_softmax(monkeypatch, dtype):
     tree = _Tree(monkeypatch)
-    tree.args = argparse.Namespace(fp16=False, bf16=dtype == torch.bfloat16, rl_sequence_packing_max_sequences_per_bin=8)
+    tree.args = _args(bf16=dtype == torch.bfloat16)
     logits = torch.randn(2, 6, 11, generator=torch.Generator().manual_seed(0)).to(dtype).requires_grad_(True)
     tokens = torch.randint(0, 11, (2, 6), generator=torch.Generator().manual_seed(1))
-    model = _Model(logits)
+    inner = _Model(logits)
+    model = DistributedDataParallel(Float16Module(inner) if dtype == torch.bfloat16 else inner)
     lp = mlm.get_logprobs(model, tokens, torch.arange(6).expand(2, 6))
-    flash, kwargs = model.calls[0]
-    assert kwargs["runtime_gather_output"] is False and kwargs["fp32_output"] is (dtype == torch.float32)
+    flash, kwargs = inner.calls[0]
+    assert kwargs["runtime_gather_output"] is False
     assert flash is False and model.config.flash_decode is True  # off for the forward, restored after
     want = torch.log_softmax(logits.float()[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
     assert lp.shape == (2, 5) and lp.dtype == dtype  # Megatron's old-logprob pass asserts this dtype
     torch.testing.assert_close(lp.float(), want.to(dtype).float())
     lp.float().sum().backward()
     assert logits.grad is not None and logits.grad.shape == logits.shape
-    model.pg_collection.pp = "first"
+    inner.pg_collection.pp = "first"
     assert mlm.get_logprobs(model, tokens, None, no_grad=True) is logits  # non-last stage: output as is
 
 
@@ -208,7 +313,7 @@ def test_vocab_parallel_get_logprobs_scores_the_full_contiguous_shard_without_a_
     from megatron_cispo.logprobs import IGNORE_INDEX, token_logprobs
 
     tree = _Tree(monkeypatch)
-    tree.args = argparse.Namespace(fp16=False, bf16=False, rl_sequence_packing_max_sequences_per_bin=8)
+    tree.args = _args(bf16=False)
     logits = torch.randn(2, 6, 11, generator=torch.Generator().manual_seed(2)).requires_grad_(True)
     tokens = torch.randint(0, 11, (2, 6), generator=torch.Generator().manual_seed(3))
     seen = []
@@ -246,8 +351,7 @@ class _GPT(_Model):
         super().__init__(None)
         self.hidden, self.output_layer = hidden, _Layer(weight)
 
-    def __call__(self, tokens, position_ids, attention_mask, **kwargs):
-        self.calls.append((self.config.flash_decode, kwargs))
+    def _output(self):
         logits, _ = self.output_layer(self.hidden)
         self.returned = tuple(logits.shape)
         return logits.transpose(0, 1).contiguous()
@@ -257,7 +361,7 @@ def test_fused_head_get_logprobs_matches_the_logits_head_without_materialising_l
     from megatron_cispo.config import LossConfig
 
     tree = _Tree(monkeypatch)
-    tree.args = argparse.Namespace(fp16=False, bf16=False, rl_sequence_packing_max_sequences_per_bin=8)
+    tree.args = _args(bf16=False)
     g = torch.Generator().manual_seed(2)
     tokens = torch.randint(0, 11, (2, 6), generator=g)
     hidden, weight = torch.randn(6, 2, 4, generator=g), torch.randn(11, 4, generator=g)

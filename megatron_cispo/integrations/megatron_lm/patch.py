@@ -1,9 +1,10 @@
 """install(): put the drop-ins into a running Megatron-LM, after checking its API against the record.
 
     from megatron_cispo.integrations.megatron_lm import install; install()   # before pretrain()
-Patches megatron.rl.rl_utils.{calculate_grpo_loss, get_logprobs} and every module that imported
-them by name (train_rl.py), and wraps megatron.training.pretrain to add the --cispo-* flags and
-the signed loss report. Idempotent; uninstall() restores the originals.
+Patches megatron.rl.rl_utils.{calculate_grpo_loss, get_logprobs} and every other module that
+imported them by name (train_rl.py), and wraps megatron.training.pretrain to add the --cispo-*
+flags and the signed loss report. Idempotent; uninstall() restores the originals. Neither ever
+rebinds a name inside megatron_cispo: our public functions stay ours.
 """
 from __future__ import annotations
 
@@ -78,10 +79,25 @@ def _original(module: Any, name: str) -> Any:
     return getattr(module, _STASH, {}).get(name, getattr(module, name, None))
 
 
+OWN_PACKAGE = __name__.split(".")[0]  # "megatron_cispo": its modules hold our functions by name
+
+
+def _foreign_modules() -> list:
+    """Loaded modules outside megatron_cispo (Megatron's, train_rl / __main__, the user's)."""
+    return [mod for mod_name, mod in list(sys.modules.items())
+            if mod is not None and mod_name != OWN_PACKAGE and not mod_name.startswith(OWN_PACKAGE + ".")]
+
+
 def _rebind(old: Any, new: Any, name: str) -> None:
-    """Point every loaded module's `name` that is `old` (e.g. train_rl's imported copy) at `new`."""
-    for mod in list(sys.modules.values()):
-        if getattr(mod, name, None) is old:
+    """Point every foreign module's `name` that is `old` (e.g. train_rl's imported copy) at `new`.
+
+    megatron_cispo's own modules are skipped: sweeping them would make uninstall() turn our
+    public calculate_grpo_loss / get_logprobs into Megatron's. Only a module's own namespace is
+    read, so a lazy module __getattr__ never runs.
+    """
+    for mod in _foreign_modules():
+        namespace = getattr(mod, "__dict__", None)
+        if isinstance(namespace, dict) and namespace.get(name) is old:
             try:
                 setattr(mod, name, new)
             except (AttributeError, TypeError):
@@ -199,7 +215,8 @@ def installed() -> bool:
 
 
 def uninstall() -> None:
-    """Restore the originals everywhere install() rebound them and forget the configuration."""
+    """Restore the originals in Megatron's modules (and any other non-megatron_cispo module that
+    holds a patched name) and forget the configuration. megatron_cispo's own names stay ours."""
     for mod_name in (API["rl_utils_module"], API["training_module"]):
         mod = sys.modules.get(mod_name)
         stash = getattr(mod, _STASH, None) if mod is not None else None

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ...fused_head import fused_token_logprobs
 from ...logprobs import IGNORE_INDEX, token_logprobs
-from ...step.head import hidden_states_out, output_layer_of
+from ...step.head import hidden_states_out, output_layer_of, unwrap
 from .settings import logprob_temperature, loss_config
 
 RL_UTILS = "megatron.rl.rl_utils"
@@ -28,7 +28,9 @@ def get_logprobs(model, tokens, position_ids, no_grad=False, sequence_packing=Fa
 
     tokens, position_ids: [b, s] int. The logprobs come back in the logits' dtype, as in
     Megatron-LM: its old-logprob pass asserts that dtype, and rounding current and old logprobs
-    alike keeps the first step's ratio exactly 1. The math inside is fp32.
+    alike keeps the first step's ratio exactly 1. The math inside is fp32 (bf16 rounding of the
+    result: docs/integration.md, section 2). fp32_output= goes to the model only through a
+    Float16Module (bf16/fp16 runs): an fp32 run's DDP(GPTModel) forward has no such parameter.
     Collectives: the model's own; token_logprobs does 2 all-reduces over the model's TP group.
     """
     rl = importlib.import_module(RL_UTILS)  # Megatron's helpers, looked up at call time
@@ -45,11 +47,14 @@ def get_logprobs(model, tokens, position_ids, no_grad=False, sequence_packing=Fa
     head = loss_config()
     layer = output_layer_of(model) if head.head == "fused" else None
     captured: dict = {}
+    # Megatron-LM's value (no fp32 upcast of the [b, s, v/tp] shard in a bf16/fp16 run), but only
+    # where a Float16Module takes it: GPTModel.forward has no **kwargs.
+    precision = {"fp32_output": not (args.fp16 or args.bf16)} if unwrap(model)[1] else {}
     try:
         with torch.no_grad() if no_grad else nullcontext(), \
                 hidden_states_out(layer, captured) if layer is not None else nullcontext():
             output = model(tokens, position_ids, None, packed_seq_params=packed_seq_params,
-                           runtime_gather_output=False, fp32_output=not (args.fp16 or args.bf16))
+                           runtime_gather_output=False, **precision)
     finally:
         model.config.flash_decode = flash_decode
 
@@ -62,7 +67,7 @@ def get_logprobs(model, tokens, position_ids, no_grad=False, sequence_packing=Fa
     # in-place gradient.
     targets = F.pad(tokens[:, 1:], (0, 1), value=IGNORE_INDEX)
     with torch.no_grad() if no_grad else nullcontext():
-        if captured:  # output: hidden states [b, s(/tp), h]; fp32 under Float16Module's fp32_output
+        if captured:  # output: hidden states [b, s(/tp), h], model dtype unless upcast
             weight = captured["weight"]
             logprobs: Tensor = fused_token_logprobs(
                 output.transpose(0, 1), weight, targets.t(), tp_group=pg_collection.tp,
