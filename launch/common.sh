@@ -1,9 +1,59 @@
-# Sourced by the launch scripts: picks the Python, counts GPUs, sets per-device env, and
-# validates an experiment once before any process is started.
+# Sourced by the launch scripts: picks the Python, counts GPUs, sets per-device env, validates the
+# launch variables and an experiment once before any process is started, and runs torchrun.
 #   source "$(dirname "$0")/common.sh"
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+LAUNCH_SCRIPT=${LAUNCH_SCRIPT:-${0##*/}}  # the name errors start with
+
+# launch_fail NAME VALUE EXPECTED: the one line a launch mistake gets; exit 2, nothing started.
+launch_fail() {
+  echo "$LAUNCH_SCRIPT: $1='$2' is not valid: expected $3" >&2
+  exit 2
+}
+
+# Integers are matched as text first: bash arithmetic reads "abc" as a variable name and "08" as bad
+# octal. Nine digits keep it clear of overflow.
+_uint_in() {  # VALUE MIN MAX
+  [[ $1 =~ ^[0-9]{1,9}$ ]] && [ $((10#$1)) -ge "$2" ] && [ $((10#$1)) -le "$3" ]
+}
+
+# check_launch_env NAME...: validate each named launch variable that is set (callers apply their
+# defaults first; NNODES goes before NODE_RANK and MASTER_ADDR, which depend on it). The first bad
+# one prints one line naming it, its value and what is expected, and exits 2.
+check_launch_env() {
+  local name value max=999999999
+  for name in "$@"; do
+    value=${!name-}
+    if [ -z "$value" ] && [ "$name" != MASTER_ADDR ]; then continue; fi
+    case $name in
+      NNODES) _uint_in "$value" 1 $max || launch_fail NNODES "$value" "a positive integer (the number of nodes)" ;;
+      NODE_RANK)
+        _uint_in "$value" 0 $((NNODES - 1)) ||
+          launch_fail NODE_RANK "$value" "an integer in 0..$((NNODES - 1)) (this node's rank; NNODES=$NNODES)" ;;
+      MASTER_ADDR)
+        if [ -z "$value" ]; then
+          if [ "$NNODES" -gt 1 ]; then
+            echo "$LAUNCH_SCRIPT: MASTER_ADDR is not set: expected node 0's host name or IP address (required when NNODES=$NNODES > 1)" >&2
+            exit 2
+          fi
+        elif [[ $value =~ [[:space:]] || $value =~ ^[^:]+:[0-9]*$ ]]; then
+          launch_fail MASTER_ADDR "$value" "a host name or IP address, without a port (the port goes in MASTER_PORT)"
+        fi ;;
+      NPROC) _uint_in "$value" 1 $max || launch_fail NPROC "$value" "a positive integer (processes on this node)" ;;
+      GPUS_PER_NODE) _uint_in "$value" 1 $max || launch_fail GPUS_PER_NODE "$value" "a positive integer (processes per node)" ;;
+      NGPU) _uint_in "$value" 0 $max || launch_fail NGPU "$value" "a non-negative integer (visible GPUs)" ;;
+      MASTER_PORT) _uint_in "$value" 1 65535 || launch_fail MASTER_PORT "$value" "an integer in 1..65535 (the rendezvous TCP port)" ;;
+      RDZV_TIMEOUT)
+        _uint_in "$value" 1 $max || launch_fail RDZV_TIMEOUT "$value" "a positive integer (seconds to wait for every node to join)" ;;
+      RDZV) [ "$value" = c10d ] || launch_fail RDZV "$value" "empty (static rendezvous, the default) or c10d" ;;
+      *) echo "check_launch_env: no rule for $name" >&2; exit 70 ;;  # a bug in the launch scripts
+    esac
+    # "08" is valid but would break later arithmetic: store integers in plain decimal
+    if [ "$name" != MASTER_ADDR ] && [[ $value =~ ^[0-9]+$ ]]; then printf -v "$name" %d "$((10#$value))"; fi
+  done
+}
+
 if [ -z "${PY:-}" ]; then
   if [ -x "$ROOT/.venv/bin/python" ]; then PY="$ROOT/.venv/bin/python"; else PY=python3; fi
 fi
@@ -18,6 +68,7 @@ if [ -z "${NGPU:-}" ]; then
     NGPU=0
   fi
 fi
+check_launch_env NGPU
 if [ "$NGPU" -gt 0 ]; then
   # megatron-core's TP/SP overlap relies on one CUDA hardware queue ordering its kernels.
   export CUDA_DEVICE_MAX_CONNECTIONS=1
@@ -33,3 +84,39 @@ preflight() {
   shift 2
   "$PY" -m megatron_cispo.train --check --world-size "$world" "$config" "$@" > /dev/null
 }
+
+# run_torchrun WAITED_FOR TORCHRUN_ARGS...: exec torch.distributed.run. When its rendezvous fails
+# (a node did not come within the rendezvous timeout, or the port is taken), the agent's traceback
+# is replaced by one line: WAITED_FOR, then torch's own message; exit 1.
+run_torchrun() {
+  local waited_for=$1
+  shift
+  exec "$PY" -c "$_RUN_TORCHRUN_PY" "$LAUNCH_SCRIPT" "$waited_for" "$@"
+}
+_RUN_TORCHRUN_PY='
+import os
+import sys
+import traceback
+
+# c10 reads its log level once, at import: raising it here hides the C++ stack dump the agent logs
+# per connection retry while a node waits for node 0, and the workers still get the user setting.
+user_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
+if user_level is None:
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+from torch.distributed.run import main
+if user_level is None:
+    del os.environ["TORCH_CPP_LOG_LEVEL"]
+
+script, waited_for = sys.argv[1:3]
+try:
+    main(sys.argv[3:])
+except Exception as e:
+    # only failures of the agent rendezvous (joining the store, then agreeing on ranks) get one line
+    if "_rendezvous" not in {frame.name for frame in traceback.extract_tb(e.__traceback__)}:
+        raise
+    torch_says = (str(e).strip().splitlines() or [""])[0] or type(e).__name__
+    if "EADDRINUSE" in torch_says:
+        waited_for = "the rendezvous port is already in use on this machine (another job?): set MASTER_PORT to a free port"
+    print(f"{script}: {waited_for} (torch: {torch_says})", file=sys.stderr)
+    sys.exit(1)
+'

@@ -7,7 +7,9 @@ source "$(dirname "$0")/common.sh"
 CONFIG=${1:?usage: bash launch/single_node.sh CONFIG [key=value ...]}
 shift
 if [ "$NGPU" -gt 0 ]; then NPROC=${NPROC:-$NGPU}; else NPROC=${NPROC:-4}; fi
+MASTER_PORT=${MASTER_PORT:-29500}
+check_launch_env NPROC MASTER_PORT
 preflight "$CONFIG" "$NPROC" "$@"
-exec "$PY" -m torch.distributed.run --nnodes 1 --nproc-per-node "$NPROC" \
-  --master-addr 127.0.0.1 --master-port "${MASTER_PORT:-29500}" \
+run_torchrun "the single-node rendezvous at 127.0.0.1:$MASTER_PORT did not complete" \
+  --nnodes 1 --nproc-per-node "$NPROC" --master-addr 127.0.0.1 --master-port "$MASTER_PORT" \
   -m megatron_cispo.train "$CONFIG" "$@"
