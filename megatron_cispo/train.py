@@ -4,8 +4,11 @@
     torchrun --nproc-per-node 4 -m megatron_cispo.train yaml_configs/demo_cpu.yaml loss.cispo.anchor=rollout
     python -m megatron_cispo.train --check yaml_configs/gpu_template.yaml --world-size 16   # validate only
 
-A bad config is reported once (by rank 0) with its key path, and every rank exits with code 2
-before any process group exists, so a typo never becomes a traceback from each rank.
+Exit codes: 0 done; 2 (EXIT_CONFIG) a bad config, reported once (by rank 0) with its key path
+before any process group exists, so a typo never becomes a traceback from each rank; 3
+(EXIT_NONFINITE) the run stopped after run.max_consecutive_skips optimizer steps in a row were
+skipped for a non-finite loss or gradient, reported in one line by rank 0 (metrics.jsonl holds
+those steps, their non-finite values as null).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from .losses import required_inputs
 from .runner.experiment import dump_yaml, load_experiment, resolve_world
 
 EXIT_CONFIG = 2
+EXIT_NONFINITE = 3
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -55,12 +59,14 @@ def main(argv: list[str] | None = None) -> int:
         extra = (f" x cp {p.cp}" if p.cp > 1 else "") + (f" (ep {p.ep})" if p.ep > 1 else "")
         print(f"# ok: {world} processes = tp {p.tp} x pp {p.pp} x dp {dp}{extra}")
         return 0
-    from .demo.loop import run
+    from .demo.loop import NonFiniteStop, run
 
     try:
         run(cfg)
     except ConfigError as e:  # raised by every rank alike (runtime layout, checkpoint layout)
         return _report(args.config, e)
+    except NonFiniteStop:  # raised by every rank alike, after rank 0 printed why (before its peers exit)
+        return EXIT_NONFINITE
     return 0
 
 

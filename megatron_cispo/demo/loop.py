@@ -5,19 +5,30 @@
 Each step t: the sampler produces the global batch with policy version max(0, t - staleness);
 this rank trains on its DP shard with exactly one optimizer step (policy_step); the trainer's
 TP/PP shards are gathered (`gather_full_state`) and pushed to the sampler as version t + 1.
+A step whose loss or gradient is non-finite is skipped by policy_step on every rank; after
+run.max_consecutive_skips of them in a row the run stops with NonFiniteStop.
 """
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 from ..config import ConfigError
 from ..runner import checkpoint
 from ..runner.experiment import ExperimentConfig, dump_yaml
-from .metrics import MetricsWriter, headline
+from ..step.policy_step import NONFINITE_CHECKS
+from .metrics import MetricsWriter, finite_record, headline
 from .sampler import Sampler
+
+
+class NonFiniteStop(RuntimeError):
+    """run.max_consecutive_skips optimizer steps in a row were skipped for a non-finite loss or
+    gradient; raised alike on every rank (policy_step's metrics are global) after rank 0 has
+    printed the message, one line, to stderr."""
 
 
 def _set_lr(optimizer, lr: float) -> None:
@@ -37,10 +48,20 @@ def _record(step: int, batch, metrics: dict, cfg: ExperimentConfig, lr: float, d
     return rec
 
 
+def _stop_message(cfg: ExperimentConfig, step: int, skips: int, metrics: dict) -> str:
+    cause = next((k for k in NONFINITE_CHECKS if metrics.get(f"step/nonfinite_{k}")), "loss or gradient")
+    last = step + 1 - skips
+    return (f"[{cfg.label}] stopped at step {step + 1}: {skips} optimizer steps in a row were skipped because of "
+            f"non-finite {cause} (run.max_consecutive_skips={cfg.run.max_consecutive_skips}); the "
+            f"weights are {f'those after step {last}' if last else 'the initial ones'}. Check the rewards, "
+            f"advantages and model, lower optimizer.lr, or raise run.max_consecutive_skips")
+
+
 def run(cfg: ExperimentConfig) -> None:
     """Run the experiment in this process (one rank of the job); collective over the world.
 
-    Raises ConfigError (the same on every rank) for a layout or checkpoint that cannot be used.
+    Raises ConfigError (the same on every rank) for a layout or checkpoint that cannot be used,
+    and NonFiniteStop (likewise) after run.max_consecutive_skips skipped steps in a row.
     """
     if cfg.model.dtype == "bf16" and not torch.cuda.is_available():
         raise ConfigError("model.dtype: 'bf16' needs CUDA (megatron's mixed-precision optimizer wraps only "
@@ -88,7 +109,7 @@ def run(cfg: ExperimentConfig) -> None:
             print(f"[{cfg.label}] world {env.world_size} = tp {p.tp} x pp {p.pp} x dp {dp}{cp_ep} on {env.backend}; "
                   f"{cfg.run.steps} steps, sampler lags {cfg.rollout.staleness} versions in "
                   f"{cfg.rollout.precision}{resumed}", flush=True)
-        t_start = time.perf_counter()
+        t_start, skips = time.perf_counter(), 0
         for step in range(start, cfg.run.steps):
             t0 = time.perf_counter()
             lr = o.lr_at(step, cfg.run.steps)
@@ -102,6 +123,14 @@ def run(cfg: ExperimentConfig) -> None:
             if writer is not None:
                 now = time.perf_counter()
                 writer.log(_record(step, batch, metrics, cfg, lr, now - t0, now - t_start))
+            skips = skips + 1 if metrics["step/skipped_nonfinite"] else 0
+            if cfg.run.max_consecutive_skips and skips >= cfg.run.max_consecutive_skips:
+                message = _stop_message(cfg, step, skips, metrics)
+                if writer is not None:
+                    writer.close()
+                    print(message, file=sys.stderr, flush=True)
+                dist.barrier()  # the other ranks exit only after rank 0 has said why
+                raise NonFiniteStop(message)
             if cfg.run.checkpoint_interval and (step + 1) % cfg.run.checkpoint_interval == 0:
                 checkpoint.save(cfg.run.run_dir, step + 1, chunks=chunks, optimizer=optimizer,
                                 shared={"sampler": sampler}, layout=layout, keep=cfg.run.checkpoint_keep)
@@ -118,7 +147,7 @@ def _finish(cfg: ExperimentConfig, run_dir, seconds: float) -> None:
 
     summary = summarize(run_dir)
     summary["train_seconds"] = seconds
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (run_dir / "summary.json").write_text(json.dumps(finite_record(summary), indent=1, allow_nan=False) + "\n")
     png = plot_runs([run_dir], run_dir / "metrics.png")
     print(f"[{cfg.label}] done in {seconds:.0f}s: reward {summary['reward_first']:.3f} -> "
           f"{summary['reward_last']:.3f}; wrote {run_dir}/metrics.jsonl" + (f", {png}" if png else ""), flush=True)

@@ -4,7 +4,9 @@
     writer.log(record); writer.close()
 
 Only rank 0 makes one (the metrics are global and identical on every rank). On resume the
-jsonl is cut back to the checkpoint's step, so it always holds one line per step.
+jsonl is cut back to the checkpoint's step, so it always holds one line per step. Every line is
+strict JSON: a NaN or infinite value is written as null and its key listed in the line's
+"nonfinite" field (absent when there is none).
 """
 from __future__ import annotations
 
@@ -32,7 +34,23 @@ def headline(metrics: dict[str, float], policy_loss: str) -> dict[str, float]:
     return out
 
 
+NONFINITE_KEY = "nonfinite"
+
+
+def finite_record(record: dict) -> dict:
+    """`record` as strict JSON can hold it: non-finite floats -> None, their keys under "nonfinite"."""
+    bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+    if not bad:
+        return record
+    return {**{k: None if k in bad else v for k, v in record.items()}, NONFINITE_KEY: bad}
+
+
+def json_line(record: dict) -> str:
+    return json.dumps(finite_record(record), allow_nan=False) + "\n"
+
+
 def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The records of metrics.jsonl; values that were non-finite are None (null)."""
     path = Path(run_dir) / METRICS_FILE
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
@@ -50,13 +68,13 @@ class MetricsWriter:
         self.label, self.total, self.interval, self.stream = label, total_steps, log_interval, stream
         path = self.dir / METRICS_FILE
         kept = [r for r in read_metrics(self.dir) if r["step"] <= start_step] if path.exists() and start_step else []
-        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        path.write_text("".join(json_line(r) for r in kept))
         self.file = path.open("a")
         self.start_step, self.t0 = start_step, time.perf_counter()
         self.tb = _tensorboard(self.dir / "tb", start_step) if tensorboard else None
 
     def log(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
+        self.file.write(json_line(record))
         self.file.flush()
         step = record["step"]
         if self.tb is not None:

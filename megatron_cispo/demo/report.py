@@ -2,13 +2,15 @@
 
     python -m megatron_cispo.demo.report runs/demo/rollout runs/demo/old [--png runs/demo/comparison.png] [--strict]
 
-Reads each run's metrics.jsonl and config.yaml. The checks are what the demo is meant to show:
-the old anchor's ratios are exactly 1 and never clipped; the rollout anchor's are clipped, and
-its reward over the last 10% of steps is at least twice that over the first 10%.
+Reads each run's metrics.jsonl and config.yaml; a null metric (non-finite when it was written)
+is left out of means and extremes and is a gap in the figure. The checks are what the demo is
+meant to show: the old anchor's ratios are exactly 1 and never clipped; the rollout anchor's are
+clipped, and its reward over the last 10% of steps is at least twice that over the first 10%.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -21,8 +23,27 @@ from .metrics import read_metrics
 MIN_GAIN = 2.0
 
 
+def _col(recs: list[dict], key: str, missing: float = float("nan")) -> list[float]:
+    """`key` of every record; null (a value that was non-finite) reads as NaN, a plot's gap."""
+    return [float("nan") if v is None else float(v) for v in (r.get(key, missing) for r in recs)]
+
+
+def _finite(xs: list[float]) -> list[float]:
+    return [x for x in xs if math.isfinite(x)]
+
+
 def _mean(xs: list[float]) -> float:
+    """Mean of the finite values (a skipped step's null metrics do not poison a run's summary)."""
+    xs = _finite(xs)
     return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _min(xs: list[float]) -> float:
+    return min(_finite(xs), default=float("nan"))
+
+
+def _max(xs: list[float]) -> float:
+    return max(_finite(xs), default=float("nan"))
 
 
 def summarize(run_dir: str | Path) -> dict:
@@ -37,17 +58,17 @@ def summarize(run_dir: str | Path) -> dict:
     cispo = loss.get("cispo") if loss.get("policy_loss", "cispo") == "cispo" else None
     anchor = cispo.get("anchor", "?") if cispo else "-"
     k = max(1, len(recs) // 10)
-    first, last = _mean([r["reward_mean"] for r in recs[:k]]), _mean([r["reward_mean"] for r in recs[-k:]])
+    first, last = _mean(_col(recs[:k], "reward_mean")), _mean(_col(recs[-k:], "reward_mean"))
     return {
         "run": str(run_dir), "label": label,
         "anchor": anchor, "steps": len(recs), "reward_first": first, "reward_last": last,
         "gain": last / first if first > 0 else float("inf"),
-        "clip_frac_mean": _mean([r.get("clip_frac", 0.0) for r in recs]),
-        "clip_frac_max": max((r.get("clip_frac", 0.0) for r in recs), default=float("nan")),
-        "ratio_min": min((r.get("ratio_min", float("nan")) for r in recs), default=float("nan")),
-        "ratio_max": max((r.get("ratio_max", float("nan")) for r in recs), default=float("nan")),
+        "clip_frac_mean": _mean(_col(recs, "clip_frac", 0.0)),
+        "clip_frac_max": _max(_col(recs, "clip_frac", 0.0)),
+        "ratio_min": _min(_col(recs, "ratio_min")), "ratio_max": _max(_col(recs, "ratio_max")),
         "lag_max": max((r.get("policy_version_lag", 0) for r in recs), default=0),
-        "elapsed_s": recs[-1].get("elapsed_s", float("nan")) if recs else float("nan"),
+        "elapsed_s": _col(recs[-1:], "elapsed_s")[0] if recs else float("nan"),
+        "skipped_nonfinite": sum(_finite(_col(recs, "step/skipped_nonfinite", 0.0))),
         "clip_range": (1.0 - cispo["eps_low"], 1.0 + cispo["eps_high"]) if cispo else None,
     }
 
@@ -90,15 +111,14 @@ def plot_runs(run_dirs: list[str | Path], out_png: str | Path) -> Path | None:
     for col, (s, recs) in enumerate(runs):
         x = [r["step"] for r in recs]
         ax = axes[0][col]
-        ax.plot(x, [r["reward_mean"] for r in recs], color="tab:green")
+        ax.plot(x, _col(recs, "reward_mean"), color="tab:green")
         ax.set_title(f"{s['label']} (lag {s['lag_max']})")
-        axes[1][col].plot(x, [r.get("clip_frac_low", 0.0) for r in recs], label="below 1-eps_low")
-        axes[1][col].plot(x, [r.get("clip_frac_high", 0.0) for r in recs], label="above 1+eps_high")
+        axes[1][col].plot(x, _col(recs, "clip_frac_low", 0.0), label="below 1-eps_low")
+        axes[1][col].plot(x, _col(recs, "clip_frac_high", 0.0), label="above 1+eps_high")
         axes[1][col].legend(fontsize=7)
         ax = axes[2][col]
-        ax.fill_between(x, [r.get("ratio_min", 1.0) for r in recs], [r.get("ratio_max", 1.0) for r in recs],
-                        alpha=0.3, label="min..max")
-        ax.plot(x, [r.get("ratio_mean", 1.0) for r in recs], label="mean")
+        ax.fill_between(x, _col(recs, "ratio_min", 1.0), _col(recs, "ratio_max", 1.0), alpha=0.3, label="min..max")
+        ax.plot(x, _col(recs, "ratio_mean", 1.0), label="mean")
         if s["clip_range"]:
             for bound in s["clip_range"]:
                 if bound > 0:

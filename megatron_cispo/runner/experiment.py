@@ -70,6 +70,9 @@ class OptimizerConfig:
     adam_beta2: float = config_field(0.999, "Adam beta2.")
 
     def __post_init__(self) -> None:
+        for name in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_beta1", "adam_beta2"):
+            if not math.isfinite(getattr(self, name)):  # an inf lr trains on NaN from the first step
+                raise ValueError(f"optimizer.{name} must be finite, got {getattr(self, name)}")
         if not self.lr > 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"optimizer.lr={self.lr} must be > 0 and optimizer.min_lr={self.min_lr} in [0, lr]")
         if self.warmup_steps < 0:
@@ -158,9 +161,13 @@ class RunConfig:
     checkpoint_keep: int = config_field(2, "Complete checkpoints kept; older ones are deleted.")
     resume: bool = config_field(False, "Continue from the last complete checkpoint in run_dir/checkpoints.")
     tensorboard: bool = config_field(True, "Write TensorBoard events to run_dir/tb when tensorboard is installed.")
+    max_consecutive_skips: int = config_field(
+        3, "Stop the run (exit code 3) after this many optimizer steps in a row were skipped because the "
+        "loss or gradient was non-finite; 0 = never stop.")
 
     def __post_init__(self) -> None:
-        for name, low in (("steps", 1), ("log_interval", 1), ("checkpoint_interval", 0), ("checkpoint_keep", 1)):
+        for name, low in (("steps", 1), ("log_interval", 1), ("checkpoint_interval", 0), ("checkpoint_keep", 1),
+                          ("max_consecutive_skips", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"run.{name} must be >= {low}, got {getattr(self, name)}")
 

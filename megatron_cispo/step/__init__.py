@@ -5,6 +5,7 @@
     forward.py      make_loss_func / make_forward_step (the loss plugin), the forward-only pass
     head.py         the output head: logits, or fused (hidden states -> fused_token_logprobs)
     hooks.py        check_megatron_config / set_megatron_hooks: the per-token loss and loop hooks
+    guard.py        the non-finite guard: refuse bad advantages, skip non-finite steps on every rank
     moe.py          MoE aux/z-loss scaling under TP x CP on megatron-core 0.16 (#1652)
     policy_step.py  policy_step: pi_old plan, schedules, optimizer steps, global metrics
     pipeline.py     broadcasts from the last pipeline stage

@@ -4,8 +4,11 @@
 
 Data flow: plan how pi_old is obtained (given, a forward-only pass, or the training forward
 itself) -> optional pi_old / pi_ref passes -> per minibatch, megatron's schedule runs
-`make_forward_step`'s loss plugin and the optimizer steps -> the microbatch Metrics are reduced
+`make_loss_func`'s loss plugin and the optimizer steps -> the microbatch Metrics are reduced
 exactly over DP x CP on the last stage and broadcast over the pipeline.
+Guards: non-finite advantages on trained targets are refused before any schedule runs, and an
+optimizer step whose model output, loss or gradient is non-finite on any rank is skipped on
+every rank (one MAX all-reduce decides, before any parameter changes).
 """
 from __future__ import annotations
 
@@ -13,10 +16,15 @@ from dataclasses import replace
 from functools import partial
 from typing import Literal, Optional
 
+import torch
+import torch.distributed as dist
+
 from ..config import LossConfig
 from ..losses import check_loss_config, required_inputs
 from ..losses.registry import missing_input_message
-from .forward import check_megatron_config, compute_logprobs, make_forward_step, run_schedule
+from .forward import check_megatron_config, compute_logprobs, forward_step_for, make_loss_func, run_schedule
+from .guard import (NONFINITE_CHECKS, check_advantages, has_grad_scaler, nonfinite_this_step, warn_skipped,
+                    watch_loss, zero_grads)
 from .moe import moe_aux_loss_compensation
 from .packing import microbatches, step_layout
 from .pipeline import broadcast_object_from_last_stage, is_last_stage
@@ -53,8 +61,15 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
     Returns global metrics (identical on every rank): the loss metrics reduced exactly over
     microbatches and DP x CP ("policy/loss", "<loss>/ratio_mean", ...), "step/grad_norm" (mean
     over optimizer steps that computed one), "step/optimizer_steps" (taken), "step/skipped_steps"
-    (overflow), "step/old_logprob_pass" (1.0 if an extra forward pass computed pi_old),
+    (overflow or non-finite), "step/skipped_nonfinite" (skipped because the model output, loss
+    or gradient was non-finite on some rank; grads zeroed, optimizer state untouched, a warning
+    from rank 0 names the first; with a loss scaler, gradient overflows are left to the
+    optimizer and counted as overflow), "step/nonfinite_{logits,loss,grad}" (steps where each was),
+    "step/old_logprob_pass" (1.0 if an extra forward pass computed pi_old),
     "step/forward_calls" (model forwards on this rank) and "step/microbatches" (per step, this rank).
+    Raises ValueError on every rank, before any schedule, for a non-finite advantage on a
+    trained target on any rank (`check_advantages`); non-finite old/rollout/ref logprobs are not
+    an error: the loss drops those tokens and counts them in "policy/nonfinite_dropped".
     """
     from megatron.core import parallel_state as mpu
     from megatron.core.utils import get_model_config
@@ -65,6 +80,17 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
     dp_group = mpu.get_data_parallel_group()
     dp = mpu.get_data_parallel_world_size()
     n = batch.tokens.shape[0]
+    param = next(chunks[0].parameters())
+    if batch.tokens.device != param.device:
+        raise ValueError(f"rollouts are on {batch.tokens.device} but the model is on {param.device}; move the "
+                         "batch to the model's device (NCCL collectives need it there)")
+    # Every DP rank must run the same schedules: a rank with more rows would wait in a collective.
+    rows = torch.tensor([n, -n], device=param.device)
+    if dp > 1:
+        dist.all_reduce(rows, op=dist.ReduceOp.MAX, group=dp_group)
+    if int(rows[0]) != -int(rows[1]):
+        raise ValueError(f"data-parallel ranks hold different numbers of rows ({-int(rows[1])} to {int(rows[0])}; "
+                         f"this rank {n}); shard the global batch evenly (Rollouts.dp_shard)")
     mini_local = n if step_cfg.minibatch_size is None else step_cfg.minibatch_size // dp
     if n == 0 or mini_local == 0:
         raise ValueError(f"policy_step got no rows to train on (n={n} per rank, minibatch_size="
@@ -85,6 +111,7 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
                     or name == "ref_logprobs" and ref_chunks is not None)
         if getattr(batch, name) is None and not produced:
             raise ValueError(f"rollouts.{name} is missing: {missing_input_message(loss_cfg, name)}")
+    check_advantages(batch)
     build = partial(microbatches, loss_cfg=loss_cfg, step_cfg=step_cfg, layout=layout, dp_group=dp_group)
     score = partial(compute_logprobs, batch=batch, step_cfg=step_cfg, vocab_size=vocab_size, calls=calls,
                     head=loss_cfg.head, head_fp32=loss_cfg.head_fp32)
@@ -92,18 +119,32 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
         batch = replace(batch, old_logprobs=score(chunks))
     if "ref_logprobs" in required_inputs(loss_cfg) and batch.ref_logprobs is None:
         batch = replace(batch, ref_logprobs=score(ref_chunks))
-    forward_step = make_forward_step(loss_cfg, temperature=step_cfg.temperature, vocab_size=vocab_size,
-                                     old_from_current=plan == "from_training_forward", calls=calls)
+    seen: list = []
+    loss_func = make_loss_func(loss_cfg, temperature=step_cfg.temperature, vocab_size=vocab_size,
+                               old_from_current=plan == "from_training_forward")
+    forward_step = forward_step_for(watch_loss(loss_func, seen), calls, head=loss_cfg.head)
     per_microbatch, grad_norms, skipped, counts = [], [], 0, []
+    nonfinite, skipped_nonfinite = dict.fromkeys(NONFINITE_CHECKS, 0), 0
+    scaler = has_grad_scaler(optimizer)
     for _ in range(step_cfg.epochs):
         for start in range(0, n, mini_local):
             mbs = build(Rollouts(**batch.select(slice(start, start + mini_local))))
             counts.append(len(mbs))
-            for c in chunks:
-                c.zero_grad_buffer()
-            optimizer.zero_grad()
+            zero_grads(chunks, optimizer)
+            seen.clear()
             with moe_aux_loss_compensation(get_model_config(chunks[0]), padding_mask=layout.padding_mask):
                 per_microbatch += run_schedule(chunks, forward_step, mbs, forward_only=False)
+            # megatron's fp32 and bf16 optimizers step on a NaN gradient (the clip coefficient is NaN,
+            # so nothing is clipped), so the decision is taken here, before optimizer.step() runs. A
+            # loss scaler's overflows stay the optimizer's: skipping them here would never lower the scale.
+            bad = nonfinite_this_step(seen, chunks, batch.tokens.device, check_grads=not scaler)
+            if bad:
+                skipped_nonfinite += 1
+                for name in bad:
+                    nonfinite[name] += 1
+                warn_skipped(bad, len(counts), steps)
+                zero_grads(chunks, optimizer)
+                continue
             ok, grad_norm, _ = optimizer.step()
             skipped += not ok  # a mixed-precision optimizer skips a step on overflow
             if grad_norm is not None:  # None when clip_grad=0 on the fp32 optimizer
@@ -113,7 +154,10 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
         metrics = reduce_metrics(per_microbatch, group=mpu.get_data_parallel_group(with_context_parallel=True))
     metrics = broadcast_object_from_last_stage(metrics)
     metrics.update({"step/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
-                    "step/optimizer_steps": float(steps - skipped), "step/skipped_steps": float(skipped),
+                    "step/optimizer_steps": float(steps - skipped - skipped_nonfinite),
+                    "step/skipped_steps": float(skipped + skipped_nonfinite),
+                    "step/skipped_nonfinite": float(skipped_nonfinite),
+                    **{f"step/nonfinite_{k}": float(v) for k, v in nonfinite.items()},
                     "step/old_logprob_pass": float(plan == "pass"), "step/forward_calls": float(len(calls)),
                     "step/microbatches": sum(counts) / len(counts)})
     return metrics

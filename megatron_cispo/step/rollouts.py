@@ -24,6 +24,7 @@ class Rollouts:
     loss_mask: [n, s] bool, True on trained (response) targets; it carries the prompt/response
         boundary. advantages: [n] or [n, s].
     rollout_logprobs / old_logprobs / ref_logprobs: [n, s] fp32, per target token.
+    Every field lives on one device, the model's (policy_step checks).
     """
 
     tokens: Tensor
@@ -39,6 +40,11 @@ class Rollouts:
             raise ValueError(f"rollouts.tokens must be an int [n, s+1] tensor, got {self.tokens.dtype} "
                              f"{tuple(self.tokens.shape)}")
         n, s = self.tokens.shape[0], self.tokens.shape[1] - 1
+        for name in ("loss_mask", "advantages", "rollout_logprobs", "old_logprobs", "ref_logprobs", "lengths"):
+            t = getattr(self, name)
+            if t is not None and t.device != self.tokens.device:
+                raise ValueError(f"rollouts.{name} is on {t.device} but rollouts.tokens on {self.tokens.device}; "
+                                 "put every field on one device (the model's)")
         for name in ("loss_mask", "rollout_logprobs", "old_logprobs", "ref_logprobs"):
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != (n, s):
@@ -60,6 +66,19 @@ class Rollouts:
                 row = int((self.loss_mask.bool() & past.to(self.loss_mask.device)).any(1).nonzero()[0, 0])
                 raise ValueError(f"rollouts.loss_mask trains a target past the end of row {row} "
                                  f"(length {int(lengths[row])}): targets at or after lengths-1 are padding")
+
+    def nonfinite_advantages(self) -> Tensor:
+        """[n] or [n, s] bool, as advantages: non-finite advantages that would be trained (a row
+        with a trained target, or a trained target). No host sync; `describe_nonfinite` names one."""
+        trained = self.loss_mask.to(self.advantages.device) != 0
+        trained = trained.any(1) if self.advantages.dim() == 1 else trained
+        return trained & ~torch.isfinite(self.advantages)
+
+    def describe_nonfinite(self, bad: Tensor) -> str:
+        """The first True of `nonfinite_advantages()` as 'advantages[row 1] = nan' (or [row 1, target 4])."""
+        where = [int(i) for i in bad.nonzero()[0]]
+        value = float(self.advantages[tuple(where)])
+        return f"advantages[row {where[0]}{f', target {where[1]}' if len(where) > 1 else ''}] = {value}"
 
     def target_lengths(self) -> Tensor:
         """[n] int64: model input (= target) positions per row, lengths - 1."""
