@@ -1,9 +1,9 @@
 """The whole output head, forward + backward, at TP=2: megatron-core vs linear + token_logprobs vs
 fused_token_logprobs (which never materialises the [tokens, v_local] logits).
 
-    python benchmarks/bench_head.py                  # s=2048, b=1, h=256, V=151936, fp32 (about 6 minutes)
-    python benchmarks/bench_head.py --quick          # s=256, V=32000, a smoke run (about 20 s)
-    python benchmarks/bench_head.py --chunk-rows 64 128 256 --scaling   # tune the fused chunk
+    python benchmarks/bench_head.py             # s=2048, b=1, h=256, V=151936, fp32 (about 6 minutes)
+    python benchmarks/bench_head.py --quick     # s=256, V=32000, a smoke run (about 15 s)
+    python benchmarks/bench_head.py --chunk-rows 64 128 256 --no-auto --scaling   # the fused chunk
 
 Every path takes hidden [s, b, h] (as the decoder hands it to the output layer) and the output
 weight shard [v_local, h], both requiring grad, to the loss (-lp * adv).sum() with a random
@@ -35,12 +35,6 @@ TP = 2
 TARGET_TIME, TARGET_MEM = 1.5, 0.1  # fused head: time / megatron-core, peak extra / fp32 logits shard
 CHECK_TOL = 1e-5  # max |difference| / max |reference|, per output, for every path against megatron-core
 WARM_TOKENS = 128  # rows each fresh process runs once, untimed, before its measured call
-PATHS = {  # name -> what it runs (the "fused" path may be repeated at several chunk_rows)
-    "mcore": "`F.linear` + megatron-core `vocab_parallel_cross_entropy`",
-    "ours": "`F.linear` + `token_logprobs(inplace_backward=True)` (what our loss function passes)",
-    "ours_auto": "`F.linear` + `token_logprobs(inplace_backward=\"auto\")`",
-    "fused": "`fused_token_logprobs`",
-}
 
 
 def _inputs(tokens: int, vocab: int, h: int, rank: int):
@@ -56,9 +50,12 @@ def _inputs(tokens: int, vocab: int, h: int, rank: int):
 
 
 def _head(path: str, hidden, weight, targets, chunk_rows):
-    """Logprobs [s, b] fp32 of one path, differentiable in hidden and weight."""
+    """Logprobs [s, b] fp32 of one path, differentiable in hidden and weight. Paths: "mcore",
+    F.linear + megatron-core vocab_parallel_cross_entropy; "ours", F.linear + token_logprobs with
+    inplace_backward=True (what our loss function passes); "ours_auto", the same with "auto";
+    "fused", fused_token_logprobs."""
     import torch.nn.functional as F
-    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, vocab_parallel_cross_entropy
+    from megatron.core import tensor_parallel
 
     from megatron_cispo.fused_head import fused_token_logprobs
     from megatron_cispo.logprobs import token_logprobs
@@ -67,10 +64,10 @@ def _head(path: str, hidden, weight, targets, chunk_rows):
         return fused_token_logprobs(hidden, weight, targets, chunk_rows=chunk_rows)
     # ColumnParallelLinear without SP: identity forward, all-reduce of the hidden gradient in
     # backward (the fused op does the same all-reduce itself)
-    logits = F.linear(copy_to_tensor_model_parallel_region(hidden), weight)
+    logits = F.linear(tensor_parallel.copy_to_tensor_model_parallel_region(hidden), weight)
     logits = logits.transpose(0, 1)  # GPTModel: [s, b, v] -> [b, s, v], a view at b=1
     if path == "mcore":
-        return -vocab_parallel_cross_entropy(logits, targets.t()).t()
+        return -tensor_parallel.vocab_parallel_cross_entropy(logits, targets.t()).t()
     inplace = {"ours": True, "ours_auto": "auto"}[path]
     return token_logprobs(logits, targets.t(), inplace_backward=inplace).t()
 
@@ -94,7 +91,7 @@ def _check_worker(tokens, vocab, h, paths):
 
 def _measure_worker(name, chunk_rows, tokens, vocab, h):
     """One timed fwd+bwd of one path in this fresh process, after a warm-up on WARM_TOKENS rows."""
-    from megatron_cispo.logprobs import release_workspace
+    from megatron_cispo.vocab_softmax import release_workspace
     from megatron_cispo.runner import distributed
 
     _release_freed_memory()
@@ -156,15 +153,22 @@ def timing_table(runs, shard: int) -> str:
     return "\n".join(lines)
 
 
-def verdict(runs, shard: int, case) -> str:
+def target_table(runs, shard: int, fused_cases) -> str:
+    """The fused head against its targets: time over megatron-core's, peak extra over a shard."""
     ref = [r["time"] for r in runs[("mcore", None)]]
-    t = [r["time"] for r in runs[case]]
-    ratio = statistics.median(a / b for a, b in zip(t, ref))
-    fastest = min(t) / min(ref)
-    mem = max(r["extra"] for r in runs[case]) / shard
-    return (f"{_label(case)}: time {ratio:.2f}x median ({fastest:.2f}x fastest) vs <= {TARGET_TIME}x: "
-            f"{'met' if max(ratio, fastest) <= TARGET_TIME else 'NOT met'}; peak extra {mem:.3f}x a shard "
-            f"vs <= {TARGET_MEM}x: {'met' if mem <= TARGET_MEM else 'NOT met'}")
+    lines = ["| ratio | median of per-rep ratios | ratio of fastest runs | target | |",
+             "|---|---|---|---|---|"]
+    for c in fused_cases:
+        t = [r["time"] for r in runs[c]]
+        med, fast = statistics.median(a / b for a, b in zip(t, ref)), min(t) / min(ref)
+        ok = "met" if max(med, fast) <= TARGET_TIME else "NOT met"
+        lines.append(f"| time: {_label(c)} / mcore | {med:.2f}x | {fast:.2f}x | <= {TARGET_TIME}x | {ok} |")
+    for c in fused_cases:
+        mem = max(r["extra"] for r in runs[c]) / shard
+        ok = "met" if mem <= TARGET_MEM else "NOT met"
+        lines.append(f"| peak extra: {_label(c)} / fp32 logits shard | {mem:.3f}x (max over reps) | - "
+                     f"| <= {TARGET_MEM}x | {ok} |")
+    return "\n".join(lines)
 
 
 def scaling(cases, token_counts, unfused_max, vocab, h, first: dict) -> str:
@@ -202,7 +206,8 @@ def main(argv=None) -> None:
     if args.quick:
         args.tokens, args.vocab, args.reps, args.scaling, args.unfused_max = 256, 32000, 1, [256, 1024], 512
     if args.scaling and args.scaling[0] != args.tokens:
-        ap.error(f"--scaling: the first token count must be --tokens ({args.tokens}), found {args.scaling[0]}")
+        ap.error(f"--scaling: the first token count must be --tokens ({args.tokens}), "
+                 f"found {args.scaling[0]}")
     fused = [("fused", c or None) for c in args.chunk_rows]
     cases = [("mcore", None), ("ours", None)] + ([] if args.no_auto else [("ours_auto", None)]) + fused
     shard = args.tokens * (args.vocab // TP) * 4
@@ -221,12 +226,13 @@ def main(argv=None) -> None:
     table = timing_table(runs, shard)
     first = {c: max(runs[c], key=lambda r: r["extra"]) for c in cases}
     mem_cases = [("mcore", None), ("ours", None), fused[0]]
-    mem = scaling(mem_cases, args.scaling, args.unfused_max, args.vocab, args.hidden, first) if args.scaling else ""
+    mem = (scaling(mem_cases, args.scaling, args.unfused_max, args.vocab, args.hidden, first)
+           if args.scaling else "")
     print(f"\nTP={TP}, fp32, s={args.tokens}, b=1, h={args.hidden}, V={args.vocab} (v_local "
           f"{args.vocab // TP}); fp32 logits shard {shard / 2**20:.0f} MiB; {args.reps} reps; torch "
           f"{torch.__version__}, {platform.machine()}, nproc={os.cpu_count()}, load average "
           f"{os.getloadavg()[0]:.1f}\n\n{table}\n")
-    print("\n".join(verdict(runs, shard, c) for c in fused))
+    print(f"\n{target_table(runs, shard, fused)}")
     if mem:
         print(f"\n{mem}")
     print("\nchecks (max rel diff vs mcore: logprobs, hidden grad, weight grad): " + "; ".join(

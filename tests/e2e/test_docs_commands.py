@@ -83,8 +83,8 @@ def test_documented_yaml_run_passes_check_at_its_world_size(doc, cmd):
     assert f"# ok: {world} processes" in proc.stdout
 
 
-@pytest.mark.parametrize("script", ["benchmarks/bench_logprobs.py", "benchmarks/bench_packing.py",
-                                    "benchmarks/bench_policy_step.py"])
+@pytest.mark.parametrize("script", ["benchmarks/bench_head.py", "benchmarks/bench_logprobs.py",
+                                    "benchmarks/bench_packing.py", "benchmarks/bench_policy_step.py"])
 def test_documented_benchmark_runs_in_quick_mode(script):
     proc = subprocess.run([sys.executable, script, "--quick"], cwd=ROOT, env=env(), capture_output=True,
                           text=True, timeout=300)
