@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ..config import LossConfig
 from ..losses import token_weights, valid_tokens
+from .reduce import all_reduce_in
 from .rollouts import Rollouts, StepConfig
 
 PER_TOKEN = ("loss_mask", "advantages", "rollout_logprobs", "old_logprobs", "ref_logprobs",
@@ -243,8 +244,7 @@ def microbatches(batch: Rollouts, loss_cfg: Optional[LossConfig], step_cfg: Step
         # One MAX over DP: every rank runs as many bins as the busiest (the EP all-to-all spans DP),
         # and a row over the budget on any rank stops every rank here, not one in a collective.
         stats = torch.tensor([len(bins), longest], dtype=torch.int64, device=dev)
-        if dist.is_initialized() and dist.get_world_size(dp_group) > 1:
-            dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=dp_group)
+        all_reduce_in(stats, dist.ReduceOp.MAX, dp_group)
         count, longest = stats.tolist()
         if longest > budget:
             raise ValueError(f"a row of {longest} tokens (on some data-parallel rank) exceeds "
@@ -253,8 +253,7 @@ def microbatches(batch: Rollouts, loss_cfg: Optional[LossConfig], step_cfg: Step
         mbs = packed_microbatches(batch, (w, share), bins, layout=layout)
     if loss_cfg is not None:
         totals = torch.stack([denom.double(), batch.target_lengths().sum().double()]).to(dev)
-        if dist.is_initialized() and dist.get_world_size(dp_group) > 1:
-            dist.all_reduce(totals, group=dp_group)
+        all_reduce_in(totals, dist.ReduceOp.SUM, dp_group)
         d_global, n_global = totals.tolist()
         scale = n_global / d_global if d_global > 0 else 0.0
         for mb in mbs:

@@ -28,7 +28,7 @@ from .guard import (NONFINITE_CHECKS, check_advantages, has_grad_scaler, nonfini
 from .moe import moe_aux_loss_compensation
 from .packing import microbatches, step_layout
 from .pipeline import broadcast_object_from_last_stage, is_last_stage
-from .reduce import reduce_metrics
+from .reduce import all_reduce_in, reduce_metrics
 from .rollouts import Rollouts, StepConfig
 
 
@@ -85,9 +85,7 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
         raise ValueError(f"rollouts are on {batch.tokens.device} but the model is on {param.device}; move the "
                          "batch to the model's device (NCCL collectives need it there)")
     # Every DP rank must run the same schedules: a rank with more rows would wait in a collective.
-    rows = torch.tensor([n, -n], device=param.device)
-    if dp > 1:
-        dist.all_reduce(rows, op=dist.ReduceOp.MAX, group=dp_group)
+    rows = all_reduce_in(torch.tensor([n, -n], device=param.device), dist.ReduceOp.MAX, dp_group)
     if int(rows[0]) != -int(rows[1]):
         raise ValueError(f"data-parallel ranks hold different numbers of rows ({-int(rows[1])} to {int(rows[0])}; "
                          f"this rank {n}); shard the global batch evenly (Rollouts.dp_shard)")

@@ -19,7 +19,8 @@ from torch import Tensor
 from ..losses.metrics import Metrics
 
 
-def _all_reduce(t: Tensor, op, group) -> Tensor:
+def all_reduce_in(t: Tensor, op, group) -> Tensor:
+    """In-place all-reduce of `t` over `group`; nothing for no group, no process group, or one rank."""
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(t, op=op, group=group)
     return t
@@ -38,9 +39,9 @@ def reduced_parts(m: Metrics, group=None) -> tuple[Tensor, Tensor]:
                            [m.maxs[k].reshape(()).to(device, torch.float32) for k in sorted(m.maxs)]) \
         if m.mins or m.maxs else torch.zeros(0, dtype=torch.float32, device=device)
     if sums.numel():
-        sums = _all_reduce(sums, dist.ReduceOp.SUM, group)
+        sums = all_reduce_in(sums, dist.ReduceOp.SUM, group)
     if extremes.numel():
-        extremes = _all_reduce(extremes, dist.ReduceOp.MAX, group)
+        extremes = all_reduce_in(extremes, dist.ReduceOp.MAX, group)
     return sums, extremes
 
 
