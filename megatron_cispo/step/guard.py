@@ -12,6 +12,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from .reduce import all_reduce_in
 from .rollouts import Rollouts
 
 # What a skipped step checks, in data-flow order: the first one flagged is the one named.
@@ -21,9 +22,7 @@ NONFINITE_CHECKS = ("logits", "loss", "grad")
 
 def _world_max(t):
     """MAX all-reduce over the whole job, in place: every rank then takes the same branch."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t
+    return all_reduce_in(t, dist.ReduceOp.MAX, dist.group.WORLD)
 
 
 def check_advantages(batch: Rollouts) -> None:
