@@ -5,9 +5,10 @@
     loss_func = make_loss_func(loss_cfg)   # or only the loss, in your own forward_step:
     return output_tensor, partial(loss_func, microbatch)                 # microbatch: a dict
 
-On the last stage loss_func computes vocab-parallel token logprobs, calls compute_policy_loss
-and returns (loss_sum, denominator as int, Metrics): with calculate_per_token_loss=True megatron
-sums the denominators over microbatches and DP and divides the gradient once.
+On the last stage loss_func computes token logprobs (step/head.py: logits or fused head), runs
+the policy loss and returns (loss_scale * sum(weight * loss), tokens the model saw, Metrics):
+with calculate_per_token_loss=True megatron sums the token counts over microbatches and DP x CP
+and divides the gradient once, leaving sum(weight * loss) / the global denominator.
 """
 from __future__ import annotations
 
