@@ -185,16 +185,17 @@ def chunk_grad(w: Tensor, p: Tensor | None, src: Tensor, rows: GradRows, tempera
     return w.scatter_add_(1, rows.lt[:, None], rows.tg[:, None])
 
 
-def resolve_group(tp_group):
-    """The explicit group, else megatron's TP group if its parallel state is up, else None."""
-    if tp_group is None:
+def resolve_group(group, default: str = "get_tensor_model_parallel_group"):
+    """(group, size, rank): the explicit group, else megatron's group `default` names (the TP group)
+    if its parallel state is up, else none. The group comes back as None when it has one rank."""
+    if group is None:
         # No import here: if megatron.core.parallel_state was never imported it is not initialised.
         mpu = sys.modules.get("megatron.core.parallel_state")
         if mpu is None or not mpu.model_parallel_is_initialized():
             return None, 1, 0
-        tp_group = mpu.get_tensor_model_parallel_group()
-    size = dist.get_world_size(tp_group)
-    return (tp_group if size > 1 else None), size, dist.get_rank(tp_group)
+        group = getattr(mpu, default)()
+    size = dist.get_world_size(group)
+    return (group if size > 1 else None), size, dist.get_rank(group)
 
 
 def plan_targets(targets: Tensor, v_local: int, device: torch.device, *, tp_group, temperature,

@@ -13,7 +13,6 @@ and divides the gradient once, leaving sum(weight * loss) / the global denominat
 from __future__ import annotations
 
 import contextlib
-import sys
 from functools import partial
 from typing import Optional
 
@@ -23,6 +22,7 @@ from torch import Tensor
 
 from ..config import LossConfig
 from ..losses import compute_policy_loss, per_token_policy_loss
+from ..vocab_softmax import resolve_group
 from .hooks import check_megatron_config
 from .head import head_logprobs, hidden_states_out, output_layer_of, unwrap
 from .packing import microbatches as build_microbatches
@@ -76,12 +76,8 @@ def _segment_sum(seq_index: Tensor, n_seqs: int, cp_group):
 
 
 def _cp_group(cp_group):
-    if cp_group is not None:
-        return cp_group if dist.get_world_size(cp_group) > 1 else None
-    mpu = sys.modules.get("megatron.core.parallel_state")
-    if mpu is None or not mpu.model_parallel_is_initialized():
-        return None
-    return mpu.get_context_parallel_group() if mpu.get_context_parallel_world_size() > 1 else None
+    """The explicit CP group, else megatron's; None when it has one rank."""
+    return resolve_group(cp_group, "get_context_parallel_group")[0]
 
 
 def make_loss_func(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_size: Optional[int] = None,
