@@ -164,10 +164,16 @@ class RunConfig:
     max_consecutive_skips: int = config_field(
         3, "Stop the run (exit code 3) after this many optimizer steps in a row were skipped because the "
         "loss or gradient was non-finite; 0 = never stop.")
+    overwrite: bool = config_field(
+        False, "A fresh run (resume: false) into a non-empty run_dir moves the old contents aside to "
+        "run_dir/previous_<time>/ instead of refusing; nothing is deleted.")
+    dist_timeout_s: int = config_field(
+        600, "Process-group timeout in seconds: a rank that stops answering fails the job after this long "
+        "(on gloo, rank 0 names it at the next step boundary).")
 
     def __post_init__(self) -> None:
         for name, low in (("steps", 1), ("log_interval", 1), ("checkpoint_interval", 0), ("checkpoint_keep", 1),
-                          ("max_consecutive_skips", 0)):
+                          ("max_consecutive_skips", 0), ("dist_timeout_s", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"run.{name} must be >= {low}, got {getattr(self, name)}")
 
