@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ..config import LossConfig
 from ..losses import token_weights, valid_tokens
+from .head import unwrap
 from .reduce import all_reduce_in
 from .rollouts import Rollouts, StepConfig
 
@@ -38,6 +39,16 @@ class Layout:
     pad_multiple: int = 1
     uniform: bool = False
     padding_mask: bool = False  # hand the model the pad positions (MoE routers ignore them)
+    vocab: Optional[int] = None  # the embedding's rows: input ids outside [0, vocab) become 0
+
+
+def _embeddable(tokens: Tensor, vocab: Optional[int]) -> Tensor:
+    """Input ids the embedding can look up: ids outside [0, vocab) (pad ids such as -100 or
+    vocab_size under an untrained target) become 0. megatron's VocabParallelEmbedding range-masks
+    only at tp > 1; at tp = 1 such an id is an index error, or a device-side assert on CUDA."""
+    if vocab is None:
+        return tokens
+    return torch.where((tokens >= 0) & (tokens < vocab), tokens, torch.zeros_like(tokens))
 
 
 def first_fit_decreasing(sizes: list[int], budget: int) -> list[list[int]]:
@@ -122,6 +133,7 @@ def packed_microbatches(batch: Rollouts, weights: tuple[Tensor, Tensor], bins: l
     longest = max([sum(padded[i] for i in rows) for rows in bins] + [m])
     fields = _fields(batch, weights)
     dev, s = batch.tokens.device, batch.tokens.shape[1] - 1
+    inputs = _embeddable(batch.tokens, layout.vocab)
     out = []
     for rows in bins:
         segs = [padded[i] for i in rows]
@@ -137,7 +149,7 @@ def packed_microbatches(batch: Rollouts, weights: tuple[Tensor, Tensor], bins: l
             length = lengths[i] if i is not None else 0
             z = torch.zeros(width - length, dtype=torch.int64, device=dev)
             span = torch.arange(length, device=dev)
-            ids.append(torch.cat([batch.tokens[i, :length], z]) if i is not None else z)
+            ids.append(torch.cat([inputs[i, :length], z]) if i is not None else z)
             tgt.append(torch.cat([batch.tokens[i, 1:length + 1], z]) if i is not None else z)
             pos.append(torch.cat([span, z]))
             gidx.append(torch.cat([(i if i is not None else 0) * s + span, z - 1]))
@@ -185,7 +197,7 @@ def padded_microbatches(batch: Rollouts, weights: tuple[Tensor, Tensor], *, micr
     def widen(t: Tensor) -> Tensor:
         return torch.cat([t, t.new_zeros(n, extra)], 1) if extra else t
     fields = {k: widen(v) for k, v in _fields(batch, weights).items()}
-    ids = widen(torch.where(pad[:, :s], 0, batch.tokens[:, :-1]))
+    ids = widen(torch.where(pad[:, :s], 0, _embeddable(batch.tokens[:, :-1], layout.vocab)))
     tgt = widen(torch.where(pad[:, :s], 0, batch.tokens[:, 1:]))
     gidx = torch.where(pad, -1, torch.arange(n, device=dev)[:, None] * s + pos[None, :])
     out = []
@@ -213,7 +225,8 @@ def step_layout(chunks, step_cfg: StepConfig) -> Layout:
     multiple = (2 * cp if cp > 1 else 1) * (tp if cfg.sequence_parallel else 1)
     return Layout(cp=cp, cp_rank=mpu.get_context_parallel_rank(), pad_multiple=multiple,
                   uniform=mpu.get_pipeline_model_parallel_world_size() > 1,
-                  padding_mask=getattr(cfg, "num_moe_experts", None) is not None)
+                  padding_mask=getattr(cfg, "num_moe_experts", None) is not None,
+                  vocab=getattr(unwrap(chunks[0])[0], "vocab_size", None))
 
 
 def microbatches(batch: Rollouts, loss_cfg: Optional[LossConfig], step_cfg: StepConfig, layout: Layout,
