@@ -18,7 +18,9 @@ if [ "$NGPU" -gt 0 ]; then
   if [ $((NPROC % 2)) -ne 0 ]; then extra+=("parallelism.tp=1"); fi
 fi
 for anchor in rollout old; do
-  bash launch/single_node.sh "yaml_configs/cispo_$anchor.yaml" "run.run_dir=$OUT/$anchor" "${extra[@]}" "$@"
+  # A rerun moves the previous demo's files to $OUT/$anchor/previous_<time>/ (nothing is deleted).
+  bash launch/single_node.sh "yaml_configs/cispo_$anchor.yaml" "run.run_dir=$OUT/$anchor" run.overwrite=true \
+    "${extra[@]}" "$@"
 done
 "$PY" -m megatron_cispo.demo.report "$OUT/rollout" "$OUT/old" --png "$OUT/comparison.png" --strict
 echo "demo wall time: $(( $(date +%s) - start ))s (outputs in $OUT/)"

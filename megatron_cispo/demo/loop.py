@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ConfigError
-from ..runner import checkpoint
+from ..runner import checkpoint, rundir
 from ..runner.experiment import ExperimentConfig, dump_yaml
 from ..step.policy_step import NONFINITE_CHECKS
 from .metrics import MetricsWriter, finite_record, headline
@@ -78,7 +78,11 @@ def run(cfg: ExperimentConfig) -> None:
         env = distributed.init_distributed(tp=p.tp, pp=p.pp, vp=p.vp, cp=p.cp, ep=p.ep, seed=cfg.run.seed)
     except ValueError as e:  # a layout this runtime cannot run; raised identically on every rank
         raise ConfigError(f"parallelism: {e}") from e
+    owned = None
     try:
+        # Before anything is written: one job per run_dir, and a fresh run never mixes with an old one.
+        owned = rundir.claim_for_job(cfg.run.run_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite,
+                                     has_checkpoint=lambda d: checkpoint.last_complete(d) is not None)
         torch.manual_seed(cfg.run.seed)
         chunks = build_model(cfg.model, tp=p.tp, pp=p.pp, vp=p.vp, cp=p.cp, ep=p.ep,
                              sequence_parallel=p.sequence_parallel, seed=cfg.run.seed)
@@ -105,6 +109,8 @@ def run(cfg: ExperimentConfig) -> None:
                                    tensorboard=cfg.run.tensorboard)
             (writer.dir / "config.yaml").write_text(dump_yaml(cfg))
             resumed = f", resumed from {last}" if last is not None else ""
+            if owned.moved_to is not None:
+                resumed += f"; the earlier run in {cfg.run.run_dir} was moved to {owned.moved_to}"
             cp_ep = (f" x cp {p.cp}" if p.cp > 1 else "") + (f" (ep {p.ep})" if p.ep > 1 else "")
             print(f"[{cfg.label}] world {env.world_size} = tp {p.tp} x pp {p.pp} x dp {dp}{cp_ep} on {env.backend}; "
                   f"{cfg.run.steps} steps, sampler lags {cfg.rollout.staleness} versions in "
@@ -138,6 +144,8 @@ def run(cfg: ExperimentConfig) -> None:
             writer.close()
             _finish(cfg, writer.dir, time.perf_counter() - t_start)
     finally:
+        if owned is not None:
+            owned.release()
         distributed.shutdown()
 
 
