@@ -20,7 +20,7 @@ setup(
         "numpy",
     ],
     extras_require={
-        "test": ["pytest>=8"],
+        "test": ["pytest>=8", "hypothesis>=6"],
         "plot": ["matplotlib>=3.7"],
         "tensorboard": ["tensorboard"],
         # NVIDIA Apex is built from source (github NVIDIA/apex); the PyPI "apex" is unrelated.

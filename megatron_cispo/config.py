@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 import re
 import types
@@ -36,6 +37,22 @@ def _require(ok: bool, owner: object, name: str, requirement: str) -> None:
         raise ValueError(f"{type(owner).__name__}.{name} must be {requirement}, got {value!r}")
 
 
+def check_field_types(obj: object) -> None:
+    """Raise ValueError when a field of dataclass `obj` is not of its annotated type.
+
+    The same rules as `from_dict`, minus conversion: a str is not a bool, a bool is not an int,
+    a float is not an int, a dict is not a nested section; an int is a float (YAML `lr: 1`).
+    Call it first in `__post_init__`, so range checks never compare a wrong type.
+    """
+    hints = _type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        if f.init:
+            try:
+                _convert(hints[f.name], getattr(obj, f.name), f"{type(obj).__name__}.{f.name}", strict=True)
+            except ConfigError as e:
+                raise ValueError(str(e)) from None
+
+
 def _check_clip(section: object) -> None:
     _require(0.0 <= section.eps_low <= 1.0, section, "eps_low", "in [0, 1]")
     _require(section.eps_high >= 0.0, section, "eps_high", ">= 0")
@@ -52,8 +69,8 @@ class CispoConfig:
     mask_eps_high: float = config_field(0.28, "Token mask: drop A>0 tokens with r > 1+mask_eps_high.")
 
     def __post_init__(self) -> None:
+        check_field_types(self)  # the Literal fields included
         _check_clip(self)
-        _require(self.anchor in ("old", "rollout"), self, "anchor", "'old' or 'rollout'")
         _require(0.0 <= self.mask_eps_low <= 1.0, self, "mask_eps_low", "in [0, 1]")
         _require(self.mask_eps_high >= 0.0, self, "mask_eps_high", ">= 0")
 
@@ -65,6 +82,7 @@ class PPOConfig:
     dual_clip: Optional[float] = config_field(None, "Dual-clip c > 1: for A<0 the loss is at most -c*A.")
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         _check_clip(self)
         _require(self.dual_clip is None or self.dual_clip > 1.0, self, "dual_clip", "None or > 1")
 
@@ -75,6 +93,7 @@ class RolloutISConfig:
     eps_high: float = config_field(0.28, "Tokens with r > 1+eps_high get zero weight.")
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         _check_clip(self)
 
 
@@ -85,7 +104,7 @@ class TISConfig:
     cap: float = config_field(2.0, "Truncation cap of the TIS weight.")
 
     def __post_init__(self) -> None:
-        _require(self.level in (None, "token", "sequence"), self, "level", "None, 'token' or 'sequence'")
+        check_field_types(self)
         _require(self.cap > 0.0, self, "cap", "> 0")
 
 
@@ -95,8 +114,8 @@ class KLConfig:
     estimator: Literal["k1", "k2", "k3"] = config_field("k3", "Per-token KL estimator (Schulman's k1/k2/k3).")
 
     def __post_init__(self) -> None:
-        _require(self.coef >= 0.0, self, "coef", ">= 0")
-        _require(self.estimator in ("k1", "k2", "k3"), self, "estimator", "'k1', 'k2' or 'k3'")
+        check_field_types(self)  # the Literal fields included
+        _require(math.isfinite(self.coef) and self.coef >= 0.0, self, "coef", "finite and >= 0")
 
 
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
@@ -120,16 +139,10 @@ class LossConfig:
     kl: KLConfig = config_field(factory=KLConfig, doc="KL penalty against the reference policy.")
 
     def __post_init__(self) -> None:
-        for name, tp in typing.get_type_hints(LossConfig).items():
-            if dataclasses.is_dataclass(tp) and not isinstance(getattr(self, name), tp):
-                raise ValueError(f"LossConfig.{name} must be a {tp.__name__}, got "
-                                 f"{type(getattr(self, name)).__name__}; write {tp.__name__}(...) or "
-                                 f"build the whole config with from_dict(LossConfig, {{...}})")
+        check_field_types(self)
         _require(bool(self.policy_loss), self, "policy_loss", "a registered loss name")
-        _require(self.loss_agg in typing.get_args(LossAgg), self, "loss_agg", f"one of {typing.get_args(LossAgg)}")
         _require(self.max_len is None or self.max_len > 0, self, "max_len", "None or > 0")
         _require(math.isfinite(self.entropy_coef), self, "entropy_coef", "finite")
-        _require(self.head in ("logits", "fused"), self, "head", "'logits' or 'fused'")
         _require(not self.head_fp32 or self.head == "fused", self, "head_fp32", "False unless head='fused'")
         if self.loss_agg == "seq_mean_token_sum_norm" and self.max_len is None:
             raise ValueError("LossConfig.max_len must be > 0 when loss_agg='seq_mean_token_sum_norm', got None")
@@ -155,11 +168,18 @@ def type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
 def _fail(path: str, tp: Any, value: Any) -> ConfigError:
     return ConfigError(f"{path or '<root>'}: expected {type_name(tp)}, got {type(value).__name__} {value!r}")
 
 
-def _convert(tp: Any, value: Any, path: str) -> Any:
+def _convert(tp: Any, value: Any, path: str, strict: bool = False) -> Any:
+    """`value` as type `tp` (YAML lists -> tuples, dicts -> dataclasses, int -> float), else ConfigError.
+    strict: only check (an int still passes as a float), for the fields of a built dataclass."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp is Any:
         return value
@@ -168,7 +188,7 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
             return None
         for arg in (a for a in args if a is not type(None)):
             try:
-                return _convert(arg, value, path)
+                return _convert(arg, value, path, strict)
             except ConfigError:
                 continue
         raise _fail(path, tp, value)
@@ -178,24 +198,30 @@ def _convert(tp: Any, value: Any, path: str) -> Any:
             return value
         raise _fail(path, tp, value)
     if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):  # built, so its own __post_init__ checked it
+            return value
+        if strict:
+            raise ConfigError(f"{path} must be a {tp.__name__}, got {type(value).__name__}; write "
+                              f"{tp.__name__}(...), or build the whole config from a dict with from_dict")
         return from_dict(tp, value, path)
     if origin in (tuple, list):
-        if not isinstance(value, (list, tuple)):
+        if not isinstance(value, origin if strict else (list, tuple)):
             raise _fail(path, tp, value)
         if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
             if len(args) != len(value):
                 raise _fail(path, tp, value)
-            return tuple(_convert(a, v, _join(path, i)) for i, (a, v) in enumerate(zip(args, value)))
+            return tuple(_convert(a, v, _join(path, i), strict) for i, (a, v) in enumerate(zip(args, value)))
         item = args[0] if args else Any
-        items = [_convert(item, v, _join(path, i)) for i, v in enumerate(value)]
+        items = [_convert(item, v, _join(path, i), strict) for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if origin is dict:
         if not isinstance(value, Mapping):
             raise _fail(path, tp, value)
         key_tp, val_tp = args or (Any, Any)
-        return {_convert(key_tp, k, path): _convert(val_tp, v, _join(path, k)) for k, v in value.items()}
+        return {_convert(key_tp, k, path, strict): _convert(val_tp, v, _join(path, k), strict)
+                for k, v in value.items()}
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        return value if strict else float(value)
     if tp in (int, float) and isinstance(value, bool):
         raise _fail(path, tp, value)
     if isinstance(tp, type) and isinstance(value, tp):
@@ -212,7 +238,7 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path or '<root>'}: expected a mapping for {cls.__name__}, "
                           f"got {type(data).__name__} {data!r}")
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     known = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = [k for k in data if k not in known]
     if unknown:
@@ -246,8 +272,14 @@ def to_dict(obj: Any) -> Any:
 _SCI_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
 
 
-def parse_override_value(text: str) -> Any:
-    value = yaml.safe_load(text)
+def parse_override_value(text: str, path: str = "") -> Any:
+    """`text` parsed as a YAML value (`1e-3` stays a float); ConfigError naming `path` if it is not YAML."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        problem, quoted = getattr(e, "problem", None) or str(e).splitlines()[0], f'"{text}"'
+        raise ConfigError(f"{path or '<value>'}: {text!r} is not a valid YAML value ({problem}); "
+                          f"to pass it as a string, quote it: {quoted!r}") from None
     if isinstance(value, str) and _SCI_FLOAT.match(value):
         return float(value)
     return value
@@ -288,7 +320,7 @@ def apply_overrides(data: Mapping, overrides: list[str], *, schema: Any = None) 
             elif not isinstance(node, dict) or part not in node:
                 raise ConfigError(f"{path}: unknown key in override {item!r}")
             if i == len(parts) - 1:
-                node[part] = parse_override_value(text)
+                node[part] = parse_override_value(text, path)
             else:
                 child = node.get(part)
                 if child is None:

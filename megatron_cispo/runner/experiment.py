@@ -19,8 +19,8 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-from ..config import ConfigError, LossConfig, apply_overrides, config_field, from_dict, parse_override_value, \
-    to_dict
+from ..config import ConfigError, LossConfig, apply_overrides, check_field_types, config_field, from_dict, \
+    parse_override_value, to_dict
 from ..losses import check_loss_config, get_policy_loss
 from .model import ModelConfig
 
@@ -40,6 +40,7 @@ class ParallelConfig:
         "(first-fit decreasing); null = pad them into one [b, s] microbatch. cp > 1 needs packing.")
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         for name in ("tp", "pp", "cp", "ep", "micro_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"parallelism.{name} must be >= 1, got {getattr(self, name)}")
@@ -70,9 +71,15 @@ class OptimizerConfig:
     adam_beta2: float = config_field(0.999, "Adam beta2.")
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         for name in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_beta1", "adam_beta2"):
             if not math.isfinite(getattr(self, name)):  # an inf lr trains on NaN from the first step
                 raise ValueError(f"optimizer.{name} must be finite, got {getattr(self, name)}")
+        for name in ("adam_beta1", "adam_beta2"):  # beta >= 1 never forgets; > 1 diverges
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"optimizer.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.weight_decay < 0:
+            raise ValueError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
         if not self.lr > 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(f"optimizer.lr={self.lr} must be > 0 and optimizer.min_lr={self.min_lr} in [0, lr]")
         if self.warmup_steps < 0:
@@ -110,11 +117,12 @@ class RolloutConfig:
     precision: Literal["fp32", "bf16"] = config_field("bf16", "Sampler weights/compute dtype.")
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         for name, low in (("digits", 1), ("base", 2), ("prompts_per_step", 1), ("group_size", 2), ("staleness", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"rollout.{name} must be >= {low}, got {getattr(self, name)}")
-        if not self.temperature > 0:
-            raise ValueError(f"rollout.temperature must be > 0, got {self.temperature}")
+        if not 0 < self.temperature < math.inf:
+            raise ValueError(f"rollout.temperature must be finite and > 0, got {self.temperature}")
         if self.credit == "token" and self.reward != "per_position":
             raise ValueError(f"rollout.credit='token' needs rollout.reward='per_position', got {self.reward!r}")
         if self.credit == "token" and self.variable_length:
@@ -270,7 +278,7 @@ def interpolate_env(value: Any, path: str = "", env: Mapping[str, str] = os.envi
                           f"(write ${{{m.group(1)}:-fallback}} to give a default)")
 
     whole = _ENV_REF.fullmatch(value)
-    return parse_override_value(sub(whole)) if whole else _ENV_REF.sub(sub, value)
+    return parse_override_value(sub(whole), path) if whole else _ENV_REF.sub(sub, value)
 
 
 def load_experiment(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (),

@@ -7,24 +7,29 @@ Sequences may differ in length (`lengths`); the step packs them under a token bu
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 import torch
 from torch import Tensor
 
+from ..config import check_field_types
+
 
 @dataclass(frozen=True, kw_only=True)
 class Rollouts:
     """A DP-local batch of n sequences of up to s+1 tokens (prompt + response, right-padded).
 
-    tokens: [n, s+1] int64. The model reads tokens[:, :-1] and is scored on tokens[:, 1:].
+    tokens: [n, s+1] int64|int32. The model reads tokens[:, :-1] and is scored on tokens[:, 1:].
     lengths: [n] int, real tokens per row (2..s+1); None = every row is s+1 long. Positions at
         or past a row's length are padding: never trained, never seen by the model when packed.
-    loss_mask: [n, s] bool, True on trained (response) targets; it carries the prompt/response
-        boundary. advantages: [n] or [n, s].
+    loss_mask: [n, s] bool (or a number dtype holding only 0 and 1), True on trained (response)
+        targets; it carries the prompt/response boundary. advantages: [n] or [n, s] float.
     rollout_logprobs / old_logprobs / ref_logprobs: [n, s] fp32, per target token.
-    Every field lives on one device, the model's (policy_step checks).
+    Every field lives on one device, the model's (policy_step checks). n = 0 builds (an empty
+    shard), but policy_step refuses a batch with no rows with a ValueError.
+    Construction syncs with the host only to check a non-bool loss_mask and `lengths`.
     """
 
     tokens: Tensor
@@ -37,8 +42,8 @@ class Rollouts:
 
     def __post_init__(self):
         if self.tokens.dim() != 2 or self.tokens.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"rollouts.tokens must be an int [n, s+1] tensor, got {self.tokens.dtype} "
-                             f"{tuple(self.tokens.shape)}")
+            raise ValueError(f"rollouts.tokens must be an int64 or int32 [n, s+1] tensor of token ids, got "
+                             f"{self.tokens.dtype} {tuple(self.tokens.shape)}")
         n, s = self.tokens.shape[0], self.tokens.shape[1] - 1
         for name in ("loss_mask", "advantages", "rollout_logprobs", "old_logprobs", "ref_logprobs", "lengths"):
             t = getattr(self, name)
@@ -53,6 +58,14 @@ class Rollouts:
         if tuple(self.advantages.shape) not in ((n,), (n, s)):
             raise ValueError(f"rollouts.advantages has shape {tuple(self.advantages.shape)}; expected "
                              f"[n] = {(n,)} or [n, s] = {(n, s)}")
+        for name in ("advantages", "rollout_logprobs", "old_logprobs", "ref_logprobs"):
+            t = getattr(self, name)
+            if t is not None and not t.dtype.is_floating_point:
+                raise ValueError(f"rollouts.{name} must be a floating tensor (fp32), got {t.dtype}")
+        m = self.loss_mask
+        if m.dtype != torch.bool and bool(((m != 0) & (m != 1)).any()):  # host sync
+            raise ValueError(f"rollouts.loss_mask must be bool or hold only 0 and 1, got a {m.dtype} mask with "
+                             f"other values; a fractional weight would count its token as fully trained")
         if self.lengths is not None:
             lengths = self.lengths
             if tuple(lengths.shape) != (n,) or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
@@ -124,6 +137,9 @@ class StepConfig:
                                        "this many tokens (first-fit decreasing); None = pad the rows"})
 
     def __post_init__(self):
+        if self.old_logprob_pass not in ("auto", "always"):
+            raise ValueError(f"old_logprob_pass must be 'auto' or 'always', got {self.old_logprob_pass!r}")
+        check_field_types(self)
         for name in ("micro_batch_size", "epochs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -131,7 +147,7 @@ class StepConfig:
             raise ValueError(f"max_tokens_per_microbatch must be >= 1 or None, got {self.max_tokens_per_microbatch}")
         if self.minibatch_size is not None and self.minibatch_size < 1:
             raise ValueError(f"minibatch_size must be >= 1 or None, got {self.minibatch_size}")
+        if not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be finite, got {self.temperature}")
         if not self.temperature > 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if self.old_logprob_pass not in ("auto", "always"):
-            raise ValueError(f"old_logprob_pass must be 'auto' or 'always', got {self.old_logprob_pass!r}")
