@@ -198,7 +198,7 @@ def fused_token_logprobs(
         raise ValueError(f"targets: expected integer ids of shape {(seq, hidden.shape[1])}, hidden's "
                          f"[s, b]{where}, found {targets.dtype} of shape {tuple(targets.shape)}")
     plan, lt, owned, valid = plan_targets(
-        targets, weight.shape[0], hidden.device, tp_group=tp_group, temperature=temperature,
+        targets.long(), weight.shape[0], hidden.device, tp_group=tp_group, temperature=temperature,
         return_entropy=return_entropy, vocab_size=vocab_size, mask=mask, ignore_index=ignore_index,
         chunk_rows=chunk_rows)
     if chunk_rows is None:

@@ -177,6 +177,7 @@ def token_logprobs(
     if targets.shape != x.shape[:-1] or targets.dtype.is_floating_point or targets.dtype == torch.bool:
         raise ValueError(f"targets: expected integer ids of shape {tuple(x.shape[:-1])} (logits' "
                          f"leading shape), found {targets.dtype} of shape {tuple(targets.shape)}")
+    targets = targets.long()  # uint8/int16/int32 ids index like int64 ones (gather takes int64)
     if inplace_backward not in (True, False, "auto"):
         raise ValueError(f"inplace_backward: expected True, False or 'auto', found {inplace_backward!r}")
     plan, lt, owned, valid = plan_targets(

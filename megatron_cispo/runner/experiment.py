@@ -180,6 +180,7 @@ class RunConfig:
         "(on gloo, rank 0 names it at the next step boundary).")
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         for name, low in (("steps", 1), ("log_interval", 1), ("checkpoint_interval", 0), ("checkpoint_keep", 1),
                           ("max_consecutive_skips", 0), ("dist_timeout_s", 1)):
             if getattr(self, name) < low:
@@ -196,6 +197,7 @@ class ExperimentConfig:
     run: RunConfig = config_field(factory=RunConfig, doc="Steps, seed, outputs, checkpoints.")
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         r, p = self.rollout, self.parallelism
         if p.max_tokens_per_microbatch is not None and p.max_tokens_per_microbatch < r.total_len - 1:
             raise ValueError(f"parallelism.max_tokens_per_microbatch={p.max_tokens_per_microbatch} is smaller than "

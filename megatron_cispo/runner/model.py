@@ -14,6 +14,7 @@ from typing import Literal
 
 import torch
 
+from ..config import check_field_types
 from ..step.hooks import set_megatron_hooks
 from .specs import block_spec, grouped_gemm, layer_spec
 from .weights import init_layout_independent
@@ -42,6 +43,7 @@ class ModelConfig:
     moe_z_loss_coeff: float = field(default=0.0, metadata={"doc": "router z-loss coefficient; 0 = off"})
 
     def __post_init__(self):
+        check_field_types(self)
         for name in ("vocab_size", "seq_length", "hidden_size", "num_layers", "num_attention_heads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")

@@ -7,7 +7,10 @@ import pytest
 import torch
 
 from megatron_cispo.config import CispoConfig, KLConfig, LossConfig, PPOConfig, TISConfig
-from megatron_cispo.runner.experiment import OptimizerConfig, ParallelConfig, RolloutConfig
+from megatron_cispo.logprobs import token_logprobs
+from megatron_cispo.runner.experiment import ExperimentConfig, OptimizerConfig, ParallelConfig, RolloutConfig, \
+    RunConfig
+from megatron_cispo.runner.model import ModelConfig
 from megatron_cispo.step import Rollouts, StepConfig
 from megatron_cispo.testing import spawn
 from megatron_cispo.train import EXIT_CONFIG, main
@@ -75,6 +78,10 @@ def test_a_bad_value_fails_at_start_too_before_anything_runs(tmp_path, capsys):
     (lambda: ParallelConfig(sequence_parallel="false"), "ParallelConfig.sequence_parallel: expected bool, got str"),
     (lambda: StepConfig(micro_batch_size=2.0), "StepConfig.micro_batch_size: expected int, got float 2.0"),
     (lambda: StepConfig(temperature=math.inf), "temperature must be finite, got inf"),
+    (lambda: RunConfig(resume="false"), "RunConfig.resume: expected bool, got str 'false'"),
+    (lambda: RunConfig(overwrite=1), "RunConfig.overwrite: expected bool, got int 1"),
+    (lambda: ModelConfig(vocab_size=2.5), "ModelConfig.vocab_size: expected int, got float 2.5"),
+    (lambda: ExperimentConfig(run={"steps": 3}), "ExperimentConfig.run must be a RunConfig, got dict"),
 ])
 def test_config_dataclasses_built_directly_are_type_strict_and_name_the_field(make, message):
     with pytest.raises(ValueError) as info:
@@ -145,3 +152,10 @@ def _policy_step_on_zero_rows():
 def test_policy_step_on_zero_rows_is_a_clear_error():
     message = spawn(_policy_step_on_zero_rows, 1, timeout_s=240)[0]
     assert message == "policy_step got no rows to train on (n=0 per rank, minibatch_size=None, dp=1)"
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32])
+def test_narrow_integer_targets_score_like_int64_ones(dtype):
+    logits = torch.randn(4, 7, requires_grad=True)
+    ids = torch.tensor([0, 6, 3, 5])
+    torch.testing.assert_close(token_logprobs(logits, ids.to(dtype)), token_logprobs(logits, ids), rtol=0, atol=0)
