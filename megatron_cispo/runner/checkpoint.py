@@ -1,82 +1,246 @@
-"""Sharded per-rank checkpoints with atomic writes, and finding the last complete one.
+"""Checkpoints through megatron-core's dist_checkpointing: resumable on another (tp, pp, dp) layout.
 
-    run_dir/checkpoints/step_000010/rank_00003.pt   # this rank's model chunks, optimizer, RNG
-    run_dir/checkpoints/step_000010/sampler.pt      # each object in `shared`, by name (rank 0)
-    run_dir/checkpoints/step_000010/COMPLETE        # written by rank 0 after every rank saved
+    path = checkpoint.save(run_dir, step, chunks=, optimizer=, shared={"sampler": s}, keep=2)  # collective
+    path = checkpoint.resume_point(run_dir)      # collective: newest intact checkpoint, or None
+    step = checkpoint.load(path, chunks=, optimizer=, shared={"sampler": s})                 # collective
 
-Each file is written to a temporary name and renamed into place (atomic on POSIX), so a crash
-never leaves a half-written file under a final name; a step directory without COMPLETE is
-ignored on resume. Resuming needs the same (tp, pp, vp) and world size as the run that saved.
-`shared` maps a name to any object with state_dict()/load_state_dict() that is the same on
-every rank (the demo's sampler); this module imports none of their types.
+A checkpoint is run_dir/checkpoints/step_<step>/: the model chunks' and the optimizer's sharded
+state dicts and every rank's RNG states in dist_checkpointing's torch_dist format (`__<rank>_0.distcp`,
+`.metadata`, `common.pt`, `metadata.json`), `<name>.pt` for each object in `shared` (rank 0; objects
+with state_dict()/load_state_dict() that are the same on every rank, like the demo's sampler), and a
+COMPLETE marker (JSON: step, layout, shared names). It is written under .step_<step>.tmp/, every file
+and the directory fsynced, COMPLETE last, then renamed into place; files_ (checkpoint_files.py) names,
+verifies and prunes them. Tensors are resharded on load, so the model and optimizer resume on any
+layout; RNG states are restored only on the layout that saved them (as Megatron-LM does). A
+multi-node job needs run_dir on a filesystem every node shares: rank 0 verifies and decides for all.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from ..config import ConfigError
+from . import checkpoint_files as files_
 
-MARKER = "COMPLETE"
-
-
-def _atomic_save(obj, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+step_dir = files_.step_dir
 
 
-def step_dir(run_dir: str | Path, step: int) -> Path:
-    return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
-
-
-def last_complete(run_dir: str | Path) -> Path | None:
-    root = Path(run_dir) / "checkpoints"
-    done = sorted(p for p in root.glob("step_*") if (p / MARKER).is_file()) if root.is_dir() else []
+def last_complete(run_dir: str | os.PathLike) -> Path | None:
+    """The highest-step checkpoint with a COMPLETE marker, not verified (see resume_point)."""
+    done = files_.complete(run_dir)
     return done[-1] if done else None
 
 
-def save(run_dir, step: int, *, chunks, optimizer, shared: dict, layout: dict, keep: int) -> Path:
-    """Collective: every rank writes its shard, then rank 0 marks the step complete and prunes."""
-    rank = dist.get_rank()
-    path = step_dir(run_dir, step)
-    path.mkdir(parents=True, exist_ok=True)
-    _atomic_save({"step": step, "chunks": [c.state_dict() for c in chunks], "optimizer": optimizer.state_dict(),
-                  "rng": torch.get_rng_state()}, path / f"rank_{rank:05d}.pt")
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _layout() -> dict:
+    from megatron.core import parallel_state as mpu
+
+    return {"tp": mpu.get_tensor_model_parallel_world_size(), "pp": mpu.get_pipeline_model_parallel_world_size(),
+            "vp": mpu.get_virtual_pipeline_model_parallel_world_size(), "cp": mpu.get_context_parallel_world_size(),
+            "ep": mpu.get_expert_model_parallel_world_size(), "world_size": dist.get_world_size()}
+
+
+def _describe(layout: dict) -> str:
+    return " ".join(f"{k} {v}" for k, v in layout.items() if v is not None)
+
+
+def _rng_state() -> dict:
+    from megatron.core.tensor_parallel.random import convert_cuda_rng_state, get_cuda_rng_tracker
+
+    state = {"torch": torch.get_rng_state(),
+             "tracker": {k: convert_cuda_rng_state(v, to_graphable=False).clone()
+                         for k, v in get_cuda_rng_tracker().get_states().items()}}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel.random import (
+        convert_cuda_rng_state, get_cuda_rng_tracker, is_graph_safe_cuda_rng_tracker)
+
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tracker = get_cuda_rng_tracker()
+    graphable = is_graph_safe_cuda_rng_tracker(tracker)
+    tracker.set_states({k: convert_cuda_rng_state(v, to_graphable=graphable) for k, v in state["tracker"].items()})
+
+
+def _sharded_state_dict(chunks, optimizer, *, loading: bool, with_rng: bool) -> dict:
+    """Megatron-LM's layout: "model" (or model0, model1, ... with virtual pipeline chunks),
+    "optimizer" built on the model's sharded tensors, and one RNG object per global rank."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.utils import unwrap_model
+
+    # Megatron-LM's training/checkpointing.py passes the same: no "chained_<i>." prefix, so an
+    # optimizer tensor's key is its parameter's key, however the optimizers are chained
+    metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+                "dp_cp_group": mpu.get_data_parallel_group(with_context_parallel=True)}
+    models = unwrap_model(list(chunks))  # DDP's own state dict would prefix every key with "module."
+    sd = {("model" if len(models) == 1 else f"model{i}"): m.sharded_state_dict(metadata=metadata)
+          for i, m in enumerate(models)}
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(sub, "init_state_fn", _sgd_init_state) is None:
+            sub.init_state_fn = _sgd_init_state
+    sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=loading, metadata=metadata)
+    if with_rng:
+        sd["rng_state"] = ShardedObject("rng_state", _rng_state(), (dist.get_world_size(),), (dist.get_rank(),),
+                                        replica_id=0)
+    return sd
+
+
+def _sgd_init_state(opt, config=None) -> None:
+    """Zero momentum buffers for loading into: megatron-core 0.16.1 builds SGD with init_state_fn=None,
+    which optimizer.sharded_state_dict(is_loading=True) calls."""
+    for group in opt.param_groups:
+        if group.get("momentum", 0):
+            for p in group["params"]:
+                opt.state[p].setdefault("momentum_buffer", torch.zeros_like(p.data))
+
+
+def _optimizer_count(optimizer) -> int:
+    return len(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _check_optimizer_count(path: Path, info: dict, optimizer) -> None:
+    """megatron-core 0.16.1 puts expert parameters in an optimizer of their own only when ep > 1, and
+    the chained optimizers' non-tensor state (param groups) cannot be mapped between one and two."""
+    saved, now = info.get("optimizers", 1), _optimizer_count(optimizer)
+    if saved != now:
+        ep = info.get("layout", {}).get("ep")
+        raise ConfigError(f"run.resume: {path} was saved with {saved} chained optimizer(s) (ep={ep}) and this layout "
+                          f"builds {now} (ep={_layout()['ep']}): megatron-core gives expert parameters their own "
+                          f"optimizer only when ep > 1; resume with ep {'> 1' if saved > now else '= 1'}")
+
+
+def _sync_save_strategy():
+    """dist_checkpointing's torch_dist format, written in this process by torch.distributed.checkpoint's
+    FileSystemWriter (fsyncs each file). megatron-core 0.16.1's default writer forks writer processes,
+    needs psutil, and waits forever when one of them fails; its output is the same format."""
+    from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner, _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
+    from torch.distributed import checkpoint as dcp
+
+    class SyncTorchDistSave(SaveShardedStrategy):
+        def can_handle_sharded_objects(self):
+            return True
+
+        def save(self, sharded_state_dict, checkpoint_dir):
+            # the same translation as megatron's TorchDistSaveShardedStrategy.async_save
+            flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, keep_only_main_replica=True)
+            dcp.save(mcore_to_pyt_state_dict(flat, False),
+                     storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), sync_files=True),
+                     planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False))
+
+    return SyncTorchDistSave("torch_dist", 1)
+
+
+def save(run_dir, step: int, *, chunks, optimizer, shared: dict, keep: int) -> Path:
+    """Collective: write checkpoint `step`, rename it into place, prune to `keep`; returns its path."""
+    from megatron.core import dist_checkpointing
+
+    rank, final, tmp = dist.get_rank(), files_.step_dir(run_dir, step), files_.tmp_dir(run_dir, step)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state_dict(chunks, optimizer, loading=False, with_rng=True), str(tmp),
+                            sharded_strategy=_sync_save_strategy())
     if rank == 0:
         for name, obj in shared.items():
-            _atomic_save(obj.state_dict(), path / f"{name}.pt")
-    dist.barrier()
+            files_.write_durable(tmp / f"{name}.pt", lambda f, o=obj: torch.save(o.state_dict(), f))
+        for p in tmp.iterdir():  # rank 0's own files (common.pt, metadata.json); shards were fsynced by their writers
+            files_.fsync_path(p)
+    dist.barrier()  # every rank's shard is on disk
     if rank == 0:
-        tmp = path / f".{MARKER}.tmp"
-        tmp.write_text(json.dumps({"step": step, **layout}))
-        os.replace(tmp, path / MARKER)
-        complete = sorted(p for p in path.parent.glob("step_*") if (p / MARKER).is_file())
-        for old in complete[:-keep]:
+        files_.write_marker(tmp, {"step": step, "format": files_.FORMAT, "layout": _layout(),
+                                  "optimizers": _optimizer_count(optimizer), "shared": sorted(shared)})
+        files_.fsync_path(tmp)
+        if final.exists():  # an abandoned history's checkpoint of this step, or one without COMPLETE
+            old = final.with_name(f".{final.name}.old")
             shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.replace(tmp, final)
+        files_.fsync_path(final.parent)
+        files_.prune(run_dir, keep=keep, newest=final)
     dist.barrier()
-    return path
+    return final
 
 
-def load(path: Path, *, chunks, optimizer, shared: dict, layout: dict) -> int:
-    """Restore this rank's shard and every object in `shared` from complete checkpoint `path`;
-    returns its step."""
-    saved = json.loads((path / MARKER).read_text())
-    mismatch = {k: (saved.get(k), v) for k, v in layout.items() if saved.get(k) != v}
-    if mismatch:
-        diff = ", ".join(f"{k}: saved {a}, now {b}" for k, (a, b) in mismatch.items())
-        raise ConfigError(f"run.resume: checkpoint {path} was written with another layout ({diff}); "
-                          "resume with the same parallelism and world size")
-    state = torch.load(path / f"rank_{dist.get_rank():05d}.pt", map_location="cpu", weights_only=False)
-    for chunk, sd in zip(chunks, state["chunks"]):
-        chunk.load_state_dict(sd)
-    optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng"])
+def resume_point(run_dir: str | os.PathLike) -> Path | None:
+    """Collective (or single-process): the newest checkpoint that passes `checkpoint_files.verify`.
+
+    Rank 0 checks from the highest step down and prints one warning line per unusable checkpoint
+    (the file and why) before falling back to the previous one; its choice is broadcast. None when
+    there is no complete checkpoint; ConfigError on every rank, naming each one, when none is intact.
+    """
+    decision: list = [None, None]
+    if _rank() == 0:
+        problems = []
+        for path in reversed(files_.complete(run_dir)):
+            why = files_.verify(path)
+            if why is None:
+                decision[0] = str(path)
+                break
+            problems.append(why)
+            print(f"warning: checkpoint {path} is unusable, {why}; trying the previous one", file=sys.stderr,
+                  flush=True)
+        if decision[0] is None and problems:
+            decision[1] = (f"run.resume: no intact checkpoint in {files_.root(run_dir)}: " + "; ".join(problems)
+                           + ". Move them aside, or start afresh with run.resume=false run.overwrite=true")
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(decision, src=0)
+    if decision[1] is not None:
+        raise ConfigError(decision[1])
+    return None if decision[0] is None else Path(decision[0])
+
+
+def load(path: Path, *, chunks, optimizer, shared: dict) -> int:
+    """Collective: restore the model chunks, the optimizer, RNG states (same layout only) and every
+    object in `shared` from checkpoint `path`; returns its step. ConfigError names the file that failed."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.utils import unwrap_model
+
+    path = Path(path)
+    try:
+        info = files_.read_marker(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"run.resume: {path / files_.MARKER}: {files_.describe_error(e)}") from e
+    missing = sorted(set(shared) - set(info.get("shared", [])))
+    if missing:
+        raise ConfigError(f"run.resume: {path} has no {', '.join(missing)} state (it has {info.get('shared')})")
+    _check_optimizer_count(path, info, optimizer)
+    same_layout = {k: info.get("layout", {}).get(k) for k in _layout()} == _layout()
+    if not same_layout and _rank() == 0:
+        print(f"note: {path} was saved at {_describe(info.get('layout', {}))}; the model and optimizer are "
+              f"resharded to {_describe(_layout())}, RNG states stay as seeded by run.seed", flush=True)
+    try:
+        state = dist_checkpointing.load(_sharded_state_dict(chunks, optimizer, loading=True, with_rng=same_layout),
+                                        str(path))
+        models = unwrap_model(list(chunks))
+        for i, m in enumerate(models):
+            m.load_state_dict(state["model" if len(models) == 1 else f"model{i}"])
+        optimizer.load_state_dict(state["optimizer"])
+    except Exception as e:  # noqa: BLE001 - torch.distributed.checkpoint gathers every rank's read errors
+        raise ConfigError(f"run.resume: cannot load the model and optimizer from {path}: "
+                          f"{files_.describe_error(e)}") from e
+    if same_layout:
+        _set_rng_state(state["rng_state"])
     for name, obj in shared.items():
-        obj.load_state_dict(torch.load(path / f"{name}.pt", map_location="cpu", weights_only=False))
-    return int(state["step"])
+        try:
+            obj.load_state_dict(torch.load(path / f"{name}.pt", map_location="cpu", weights_only=False))
+        except Exception as e:  # noqa: BLE001 - name the file, whatever went wrong in it
+            raise ConfigError(f"run.resume: cannot load {path / f'{name}.pt'}: {files_.describe_error(e)}") from e
+    return int(info["step"])

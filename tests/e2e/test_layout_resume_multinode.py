@@ -1,4 +1,5 @@
-"""Layout independence, resume equivalence and a two-"node" loopback launch, on one tiny config.
+"""Layout independence, resume equivalence (on the same and on another layout) and a two-"node"
+loopback launch, on one tiny config.
 
 One uninterrupted (tp, pp, dp) = (2, 1, 2) run of 4 steps, checkpointing every 2, is the reference.
 """
@@ -18,6 +19,13 @@ def _args(run_dir, *extra):
     return [DEMO, *TINY, f"run.steps={STEPS}", "run.checkpoint_interval=2", f"run.run_dir={run_dir}", *extra]
 
 
+def _killed_after_step_2(reference, run_dir):
+    """The state of a job killed right after its step-2 checkpoint: that checkpoint and its metrics."""
+    (run_dir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(reference / "checkpoints" / "step_000002", run_dir / "checkpoints" / "step_000002")
+    shutil.copy(reference / "metrics.jsonl", run_dir / "metrics.jsonl")  # steps 3-4 are cut on resume
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("ref") / "tp2_dp2"
@@ -33,16 +41,25 @@ def test_layouts_give_the_same_first_three_steps(reference, tmp_path, nproc, tp,
 
 
 def test_resumed_run_matches_uninterrupted_run_step_for_step(reference, tmp_path):
-    # The state of a job killed right after its step-2 checkpoint: that checkpoint and its metrics.
     run_dir = tmp_path / "resumed"
-    (run_dir / "checkpoints").mkdir(parents=True)
-    shutil.copytree(reference / "checkpoints" / "step_000002", run_dir / "checkpoints" / "step_000002")
-    shutil.copy(reference / "metrics.jsonl", run_dir / "metrics.jsonl")  # steps 3-4 are cut on resume
+    _killed_after_step_2(reference, run_dir)
     proc = torchrun(4, _args(run_dir, "run.resume=true"))
     assert "resumed from" in proc.stdout
     resumed, straight = metrics(run_dir), metrics(reference)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert_metrics_close(resumed, straight, steps=STEPS, atol=0.0)
+
+
+def test_resume_on_another_layout_matches_the_uninterrupted_run(reference, tmp_path):
+    # Saved at (tp, pp, dp) = (2, 1, 2), resumed at (1, 2, 1): dist_checkpointing reshards the
+    # model and the optimizer state, and steps 3-4 match the uninterrupted run as layouts match.
+    run_dir = tmp_path / "relayout"
+    _killed_after_step_2(reference, run_dir)
+    proc = torchrun(2, _args(run_dir, "run.resume=true", "parallelism.tp=1", "parallelism.pp=2"))
+    assert "resumed from" in proc.stdout and "world 2 = tp 1 x pp 2 x dp 1" in proc.stdout
+    resumed = metrics(run_dir)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert_metrics_close(resumed, metrics(reference), steps=STEPS, atol=1e-4)
 
 
 def test_resume_skips_an_incomplete_checkpoint(reference, tmp_path):
