@@ -166,8 +166,11 @@ class RunConfig:
     name: str = config_field("", "Label in logs and plots; empty = '<loss>:<anchor>'.")
     log_interval: int = config_field(5, "Steps between progress lines.")
     checkpoint_interval: int = config_field(0, "Steps between checkpoints; 0 = never.")
-    checkpoint_keep: int = config_field(2, "Complete checkpoints kept; older ones are deleted.")
-    resume: bool = config_field(False, "Continue from the last complete checkpoint in run_dir/checkpoints.")
+    checkpoint_keep: int = config_field(
+        2, "Complete checkpoints kept (the highest steps); older ones are deleted, never the one just written.")
+    resume: bool = config_field(
+        False, "Continue from the newest intact checkpoint in run_dir/checkpoints (on any layout), falling back "
+        "past a corrupt one with a warning; with none, start fresh and move the earlier files aside.")
     tensorboard: bool = config_field(True, "Write TensorBoard events to run_dir/tb when tensorboard is installed.")
     max_consecutive_skips: int = config_field(
         3, "Stop the run (exit code 3) after this many optimizer steps in a row were skipped because the "
