@@ -8,7 +8,13 @@ Exit codes: 0 done; 2 (EXIT_CONFIG) a bad config, reported once (by rank 0) with
 before any process group exists, so a typo never becomes a traceback from each rank; 3
 (EXIT_NONFINITE) the run stopped after run.max_consecutive_skips optimizer steps in a row were
 skipped for a non-finite loss or gradient, reported in one line by rank 0 (metrics.jsonl holds
-those steps, their non-finite values as null).
+those steps, their non-finite values as null); 4 (EXIT_PEER_LOST) a rank stopped answering for
+longer than run.dist_timeout_s, named in one line by rank 0 (or, when rank 0 is the one, by the
+first rank to notice; gloo only, see docs/troubleshooting.md for NCCL); 5 (EXIT_PREEMPTED) SIGTERM:
+every rank finished the step and a checkpoint was written, rank 0 says where; rerun with
+run.resume=true. A config that differs across ranks (an ${ENV} value) is an EXIT_CONFIG error
+naming the keys and each rank's value. Under torchrun the launcher's own exit code is 1; its
+summary lists each worker's code.
 """
 from __future__ import annotations
 
@@ -23,6 +29,8 @@ from .runner.experiment import dump_yaml, load_experiment, resolve_world
 
 EXIT_CONFIG = 2
 EXIT_NONFINITE = 3
+EXIT_PEER_LOST = 4
+EXIT_PREEMPTED = 5
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -41,10 +49,24 @@ def _report(config: str, err: Exception) -> int:
     return EXIT_CONFIG
 
 
+def _world_size(flag: int | None) -> int:
+    """--world-size, else torchrun's WORLD_SIZE, else 1; ConfigError naming the one that is not an int >= 1."""
+    where, text = "--world-size", str(flag)
+    if flag is None:
+        where, text = "WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")
+    try:
+        world = int(text)
+    except ValueError:
+        world = 0
+    if world < 1:
+        raise ConfigError(f"{where} must be an int >= 1 (the number of processes), got {text!r}")
+    return world
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    world = args.world_size or int(os.environ.get("WORLD_SIZE", "1"))
     try:
+        world = _world_size(args.world_size)
         load_plugins()  # MEGATRON_CISPO_PLUGINS may register the loss the config names
         cfg = load_experiment(args.config, args.overrides)
         dp = resolve_world(cfg, world)  # load_experiment already ran the loss registry's rules
@@ -60,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# ok: {world} processes = tp {p.tp} x pp {p.pp} x dp {dp}{extra}")
         return 0
     from .demo.loop import NonFiniteStop, run
+    from .runner.peers import PeerLost
+    from .runner.preempt import Preempted
 
     try:
         run(cfg)
@@ -67,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         return _report(args.config, e)
     except NonFiniteStop:  # raised by every rank alike, after rank 0 printed why (before its peers exit)
         return EXIT_NONFINITE
+    except PeerLost:  # the rank that said which rank stopped answering has printed it
+        return EXIT_PEER_LOST
+    except Preempted:  # rank 0 printed where the checkpoint is
+        return EXIT_PREEMPTED
     return 0
 
 

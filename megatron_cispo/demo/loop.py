@@ -6,7 +6,9 @@ Each step t: the sampler produces the global batch with policy version max(0, t 
 this rank trains on its DP shard with exactly one optimizer step (policy_step); the trainer's
 TP/PP shards are gathered (`gather_full_state`) and pushed to the sampler as version t + 1.
 A step whose loss or gradient is non-finite is skipped by policy_step on every rank; after
-run.max_consecutive_skips of them in a row the run stops with NonFiniteStop.
+run.max_consecutive_skips of them in a row the run stops with NonFiniteStop. On SIGTERM every rank
+finishes the step, a checkpoint is written and the run stops with Preempted (runner/preempt.py); a
+rank that stops answering is named by PeerLost (runner/peers.py, gloo).
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch.distributed as dist
 
 from ..config import ConfigError
 from ..runner import checkpoint, rundir
+from ..runner import peers, preempt
 from ..runner.experiment import ExperimentConfig, dump_yaml
 from ..step.policy_step import NONFINITE_CHECKS
 from .metrics import MetricsWriter, finite_record, headline
@@ -61,7 +64,8 @@ def run(cfg: ExperimentConfig) -> None:
     """Run the experiment in this process (one rank of the job); collective over the world.
 
     Raises ConfigError (the same on every rank) for a layout or checkpoint that cannot be used,
-    and NonFiniteStop (likewise) after run.max_consecutive_skips skipped steps in a row.
+    and NonFiniteStop (likewise) after run.max_consecutive_skips skipped steps in a row, Preempted
+    (likewise) after SIGTERM, PeerLost when a rank stopped answering (gloo).
     """
     if cfg.model.dtype == "bf16" and not torch.cuda.is_available():
         raise ConfigError("model.dtype: 'bf16' needs CUDA (megatron's mixed-precision optimizer wraps only "
@@ -75,7 +79,10 @@ def run(cfg: ExperimentConfig) -> None:
 
     p = cfg.parallelism
     try:
-        env = distributed.init_distributed(tp=p.tp, pp=p.pp, vp=p.vp, cp=p.cp, ep=p.ep, seed=cfg.run.seed)
+        env = distributed.init_distributed(tp=p.tp, pp=p.pp, vp=p.vp, cp=p.cp, ep=p.ep, seed=cfg.run.seed,
+                                           timeout_s=cfg.run.dist_timeout_s, config_text=dump_yaml(cfg))
+    except ConfigError:  # the config differs across ranks; it names the keys
+        raise
     except ValueError as e:  # a layout this runtime cannot run; raised identically on every rank
         raise ConfigError(f"parallelism: {e}") from e
     owned = None
@@ -91,12 +98,10 @@ def run(cfg: ExperimentConfig) -> None:
                                     clip_grad=o.clip_grad, adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2,
                                     bf16=cfg.model.dtype == "bf16")
         sampler = Sampler(cfg.model, cfg.rollout, seed=cfg.run.seed, device=env.device)
-        layout = {"tp": p.tp, "pp": p.pp, "vp": p.vp, "cp": p.cp, "ep": p.ep, "world_size": env.world_size}
         start = 0
-        last = checkpoint.last_complete(cfg.run.run_dir) if cfg.run.resume else None
-        if last is not None:
-            start = checkpoint.load(last, chunks=chunks, optimizer=optimizer, shared={"sampler": sampler},
-                                    layout=layout)
+        last = checkpoint.resume_point(cfg.run.run_dir) if cfg.run.resume else None  # verified, or the one before
+        if last is not None:  # on any layout: dist_checkpointing reshards the model and optimizer
+            start = checkpoint.load(last, chunks=chunks, optimizer=optimizer, shared={"sampler": sampler})
         else:
             sampler.sync(0, gather_full_state(chunks))  # version 0: the initial weights
         step_cfg = StepConfig(micro_batch_size=p.micro_batch_size, temperature=cfg.rollout.temperature,
@@ -116,6 +121,7 @@ def run(cfg: ExperimentConfig) -> None:
                   f"{cfg.run.steps} steps, sampler lags {cfg.rollout.staleness} versions in "
                   f"{cfg.rollout.precision}{resumed}", flush=True)
         t_start, skips = time.perf_counter(), 0
+        preempt.install()
         for step in range(start, cfg.run.steps):
             t0 = time.perf_counter()
             lr = o.lr_at(step, cfg.run.steps)
@@ -137,13 +143,25 @@ def run(cfg: ExperimentConfig) -> None:
                     print(message, file=sys.stderr, flush=True)
                 dist.barrier()  # the other ranks exit only after rank 0 has said why
                 raise NonFiniteStop(message)
-            if cfg.run.checkpoint_interval and (step + 1) % cfg.run.checkpoint_interval == 0:
+            stop = preempt.agreed(env.device)  # SIGTERM on any rank: all stop after this step
+            if stop or cfg.run.checkpoint_interval and (step + 1) % cfg.run.checkpoint_interval == 0:
                 checkpoint.save(cfg.run.run_dir, step + 1, chunks=chunks, optimizer=optimizer,
-                                shared={"sampler": sampler}, layout=layout, keep=cfg.run.checkpoint_keep)
+                                shared={"sampler": sampler}, keep=cfg.run.checkpoint_keep)
+            if stop:
+                message = preempt.stop_message(cfg.label, step + 1, checkpoint.last_complete(cfg.run.run_dir))
+                if writer is not None:
+                    writer.close()
+                    print(message, file=sys.stderr, flush=True)
+                raise preempt.Preempted(message)
         if writer is not None:
             writer.close()
             _finish(cfg, writer.dir, time.perf_counter() - t_start)
+    except RuntimeError as e:  # a collective timed out: name the rank that stopped answering
+        if not isinstance(e, (NonFiniteStop, preempt.Preempted, peers.PeerLost)) and not preempt.requested():
+            peers.explain_lost_peer(e, env.health, rank=env.rank, timeout_s=env.timeout_s)
+        raise
     finally:
+        preempt.uninstall()
         if owned is not None:
             owned.release()
         distributed.shutdown()

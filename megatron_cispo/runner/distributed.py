@@ -1,7 +1,8 @@
 """Process groups and megatron parallel state for our runner, demo and tests.
 
 `init_distributed(tp=, pp=, cp=, ep=, ...)` reads torchrun's environment, picks NCCL on CUDA and
-gloo otherwise, builds megatron-core's parallel state, and (on CPU only) enters
+gloo otherwise, checks that every rank resolved the same config (consistency.py), builds
+megatron-core's parallel state with one timeout for every group, and (on CPU only) enters
 `CpuCompat` (cpu_compat.py). `shutdown()` undoes all of it. Library code never calls these:
 a Megatron training loop brings its own process groups.
 """
@@ -14,7 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .consistency import check_same_config
 from .cpu_compat import CpuCompat
+from .peers import health_group
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,6 +36,8 @@ class DistEnv:
     ep: int
     vp: int | None
     compat: CpuCompat
+    timeout_s: float  # every process group's timeout (run.dist_timeout_s)
+    health: object | None  # gloo: the group peers.explain_lost_peer uses; None on NCCL
 
 
 _ENV: DistEnv | None = None
@@ -40,12 +45,16 @@ _ENV: DistEnv | None = None
 
 def init_distributed(
     *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, vp: int | None = None,
-    seed: int = 1234, timeout_s: int = 300, backend: str | None = None,
+    seed: int = 1234, timeout_s: float = 300, backend: str | None = None, config_text: str | None = None,
 ) -> DistEnv:
     """Init torch.distributed from torchrun's env (RANK, WORLD_SIZE, MASTER_ADDR/PORT) and
     megatron parallel state; dp = world_size // (tp * pp * cp). Expert layers are split over
     ep ranks with expert TP = tp (megatron's default), so world_size must also be a multiple of
-    tp * ep * pp. Single process without env vars works too (world size 1 on 127.0.0.1)."""
+    tp * ep * pp. Single process without env vars works too (world size 1 on 127.0.0.1).
+
+    Every process group (megatron's too) times out after `timeout_s` seconds. With `config_text`
+    (the resolved YAML), a rank whose text differs from another's makes every rank raise
+    ConfigError before megatron's groups exist (one all-reduce; see consistency.py)."""
     global _ENV
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
@@ -83,24 +92,33 @@ def init_distributed(
         device = torch.device("cpu")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
-    if not dist.is_initialized():
+    created = not dist.is_initialized()
+    if created:
         dist.init_process_group(
             backend=backend, rank=rank, world_size=world,
             timeout=datetime.timedelta(seconds=timeout_s))
+    if config_text is not None:
+        try:  # before megatron's groups: a differing parallelism would hang or mismatch them
+            check_same_config(config_text, device=device)
+        except BaseException:
+            if created:
+                dist.destroy_process_group()
+            raise
     compat = CpuCompat().__enter__()
     try:
+        health = health_group(backend, timeout_s)
         mpu.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=vp, context_parallel_size=cp,
             expert_model_parallel_size=ep,
-            distributed_timeout_minutes=max(1, timeout_s // 60))
+            distributed_timeout_minutes=timeout_s / 60)  # megatron makes a timedelta of it
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     except BaseException:
         compat.__exit__(None, None, None)
         raise
     _ENV = DistEnv(rank=rank, world_size=world, local_rank=local_rank, backend=backend,
                    device=device, tp=tp, pp=pp, dp=world // (tp * pp * cp), cp=cp, ep=ep, vp=vp,
-                   compat=compat)
+                   compat=compat, timeout_s=timeout_s, health=health)
     return _ENV
 
 

@@ -179,8 +179,9 @@ class RunConfig:
         False, "A fresh run (resume: false) into a non-empty run_dir moves the old contents aside to "
         "run_dir/previous_<time>/ instead of refusing; nothing is deleted.")
     dist_timeout_s: int = config_field(
-        600, "Process-group timeout in seconds: a rank that stops answering fails the job after this long "
-        "(on gloo, rank 0 names it at the next step boundary).")
+        600, "Process-group timeout in seconds (every group, megatron's too): a collective that waits this long "
+        "fails the job. On gloo the rank that stopped answering is then named (exit code 4, within about twice "
+        "this); on NCCL see docs/troubleshooting.md.")
 
     def __post_init__(self) -> None:
         check_field_types(self)

@@ -1,10 +1,13 @@
 """End-to-end helpers: launch `megatron_cispo.train` under torchrun as a user would, read metrics."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -56,3 +59,45 @@ def assert_metrics_close(a: list[dict], b: list[dict], *, steps: int, atol: floa
             if k in ("step/forward_calls", "step/microbatches"):
                 continue  # per-rank counts: they depend on how many microbatches each rank runs
             assert abs(ra[k] - rb[k]) <= atol, f"step {ra['step']} {k}: {ra[k]} vs {rb[k]}"
+
+
+class Job:
+    """torchrun in its own session, output to files (a pipe could fill and stall it)."""
+
+    def __init__(self, tmp_path: Path, nproc: int, args: list[str]):
+        self.out, self.err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen(torchrun_cmd(nproc, args, port=free_port()), cwd=ROOT, env=env(),
+                                         stdout=out, stderr=err, start_new_session=True)
+
+    def workers(self) -> dict[int, int]:
+        """{rank: pid} of the workers torchrun started (its children, each with RANK in its env)."""
+        found = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+                environ = (stat.parent / "environ").read_bytes().split(b"\0")
+            except (OSError, ValueError, IndexError):
+                continue
+            rank = [v[5:] for v in environ if v.startswith(b"RANK=")]
+            if ppid == self.proc.pid and rank:
+                found[int(rank[0])] = int(stat.parent.name)
+        return found
+
+    def wait_for_steps(self, run_dir: Path, n: int, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not (run_dir / "metrics.jsonl").is_file() or len(metrics(run_dir)) < n:
+            assert self.proc.poll() is None, self.output()[-3000:]
+            assert time.monotonic() < deadline, f"no step {n} in {timeout}s:\n{self.output()[-3000:]}"
+            time.sleep(0.1)
+
+    def output(self) -> str:
+        return self.out.read_text() + self.err.read_text()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            for pid in self.workers().values():  # torchrun starts each worker in its own session
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)  # SIGKILL also ends a stopped worker
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()

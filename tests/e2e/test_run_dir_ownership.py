@@ -1,13 +1,9 @@
 """The CLI as a user runs it twice into one run_dir: in sequence (another seed) and at the same time."""
-import os
-import signal
-import subprocess
 import time
 
 import yaml
 
-from e2e_helpers import DEMO, ROOT, TINY, env, metrics, torchrun, torchrun_cmd
-from megatron_cispo.testing import free_port
+from e2e_helpers import DEMO, TINY, Job, metrics, torchrun
 
 
 def _args(run_dir, *extra):
@@ -40,22 +36,16 @@ def test_a_fresh_run_never_truncates_or_prunes_an_earlier_run_and_resume_finds_i
 
 def test_a_second_job_on_a_busy_run_dir_fails_at_once_naming_the_holder(tmp_path):
     run_dir = tmp_path / "run"
-    first = subprocess.Popen(torchrun_cmd(2, _args(run_dir, "run.steps=400"), port=free_port()), cwd=ROOT,
-                             env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)
+    first = Job(tmp_path, 2, _args(run_dir, "run.steps=100000"))
     try:
-        deadline = time.monotonic() + 120
-        while not (run_dir / "metrics.jsonl").is_file():  # the first job holds the lock and is training
-            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-3000:]
-            time.sleep(0.2)
+        first.wait_for_steps(run_dir, 1)  # the first job holds the lock and is training
         holder = (run_dir / ".lock").read_text().strip()
         t0 = time.monotonic()
         second = torchrun(2, _args(run_dir, "run.steps=2", "run.overwrite=true"), check=False, timeout=120)
         assert time.monotonic() - t0 < 60
-        assert first.poll() is None  # the first job was still running all along
+        assert first.proc.poll() is None  # the first job was still running all along
     finally:
-        os.killpg(first.pid, signal.SIGKILL)
-        first.wait()
+        first.kill()
     assert second.returncode != 0 and "exitcode  : 2" in second.stderr, second.stderr[-3000:]
     lines = [line for line in second.stderr.splitlines() if "is in use by" in line]
     assert len(lines) == 1 and holder in lines[0], second.stderr[-3000:]  # said once, by rank 0
@@ -63,4 +53,4 @@ def test_a_second_job_on_a_busy_run_dir_fails_at_once_naming_the_holder(tmp_path
     assert not [p for p in run_dir.iterdir() if p.name.startswith("previous_")]
     steps = [r["step"] for r in metrics(run_dir)]
     assert steps == list(range(1, len(steps) + 1)) and steps, steps
-    assert yaml.safe_load((run_dir / "config.yaml").read_text())["run"]["steps"] == 400
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["run"]["steps"] == 100000
