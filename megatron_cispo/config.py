@@ -16,7 +16,7 @@ from .schema import (ConfigError, apply_overrides, check_field_types, config_fie
 
 __all__ = ["ConfigError", "apply_overrides", "check_field_types", "config_field", "describe_fields", "from_dict",
            "parse_override_value", "to_dict", "type_name", "CispoConfig", "PPOConfig", "RolloutISConfig",
-           "TISConfig", "KLConfig", "LossConfig", "LossAgg"]
+           "TISConfig", "KLConfig", "CorrectionConfig", "LossConfig", "LossAgg"]
 
 
 def _require(ok: bool, owner: object, name: str, requirement: str) -> None:
@@ -90,6 +90,41 @@ class KLConfig:
         _require(math.isfinite(self.coef) and self.coef >= 0.0, self, "coef", "finite and >= 0")
 
 
+def _check_band(section: object, name: str) -> None:
+    band = getattr(section, name)
+    _require(band is None or (len(band) == 2 and 0.0 <= band[0] <= band[1] and math.isfinite(band[0])),
+             section, name, "null or [lo, hi] with 0 <= lo <= hi (hi may be .inf)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CorrectionConfig:
+    """Off-policy corrections, each off (null) by default and composable with any loss. Under the
+    old anchor they act on rho = pi_old / pi_rollout (and need pi_old, as TIS does); under the
+    rollout anchor on r = pi_theta / pi_rollout, detached. Dropped tokens and sequences stay in
+    the denominator. Formulas and sources: docs/algorithm.md."""
+
+    mis: Optional[tuple[float, float]] = config_field(
+        None, "Token masked IS (IcePop): keep a token only if lo <= ratio <= hi.")
+    geo_rs: Optional[tuple[float, float]] = config_field(
+        None, "Geometric-mean sequence rejection: drop a sequence if exp(mean_t log ratio_t) is outside [lo, hi].")
+    opsm: Optional[float] = config_field(
+        None, "Off-policy sequence masking (DeepSeek-V3.2), delta: drop a sequence whose advantage is < 0 and "
+        "whose mean_t log(pi_rollout / pi_theta) is > delta.")
+    m2po: Optional[float] = config_field(
+        None, "M2PO second-moment trust region, tau: before the step, mask the tokens with the largest "
+        "(log rho)^2 until the mean of (log rho)^2 over the kept tokens of the global batch is <= tau "
+        "(old anchor only; costs the pi_old pass).")
+
+    def __post_init__(self) -> None:
+        check_field_types(self)
+        _check_band(self, "mis")
+        _check_band(self, "geo_rs")
+        _require(self.opsm is None or (math.isfinite(self.opsm) and self.opsm >= 0.0), self, "opsm",
+                 "null or finite and >= 0")
+        _require(self.m2po is None or (math.isfinite(self.m2po) and self.m2po > 0.0), self, "m2po",
+                 "null or finite and > 0")
+
+
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 
 
@@ -109,6 +144,8 @@ class LossConfig:
     rollout_is: RolloutISConfig = config_field(factory=RolloutISConfig, doc="rollout_is loss settings.")
     tis: TISConfig = config_field(factory=TISConfig, doc="Truncated importance sampling.")
     kl: KLConfig = config_field(factory=KLConfig, doc="KL penalty against the reference policy.")
+    correction: CorrectionConfig = config_field(
+        factory=CorrectionConfig, doc="Off-policy corrections: token MIS, Geo-RS, OPSM, M2PO.")
 
     def __post_init__(self) -> None:
         check_field_types(self)
