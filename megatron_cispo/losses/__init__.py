@@ -6,9 +6,10 @@
 
 Metric keys: "<policy_loss>/..." for what the loss computes (ratio_mean, ratio_min, ratio_max,
 clip_frac_low, clip_frac_high, weight_mean, masked_frac, ...; same suffixes for every
-built-in loss), "policy/..." (loss, tokens, nonfinite_dropped, kl, entropy), "tis/..." and
-"mismatch/..." (sampler vs trainer logprobs). Add a loss with @register_policy_loss or the
-"megatron_cispo.policy_losses" entry-point group.
+built-in loss), "policy/..." (loss, tokens, nonfinite_dropped, kl, entropy), "tis/...",
+"mismatch/..." (sampler vs trainer logprobs) and "correction/..." (loss.correction: mis_masked_frac,
+geo_rs_dropped_frac, opsm_dropped_frac, ...; losses/corrections.py). Add a loss with
+@register_policy_loss or the "megatron_cispo.policy_losses" entry-point group.
 """
 from . import cispo, ppo, rollout_is  # noqa: F401  (registers the built-in losses)
 from .aggregate import aggregate, finalize, token_weights

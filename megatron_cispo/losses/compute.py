@@ -1,9 +1,11 @@
 """compute_policy_loss: the one entry from the policy step into the loss math.
 
 per_token_policy_loss validates inputs, drops tokens whose required logprobs are non-finite
-(counted), runs the registered loss and applies TIS, KL and the entropy bonus; the Megatron-LM
-drop-in uses it as is. compute_policy_loss then aggregates into (loss_sum, denominator) plus
-one Metrics. Pure tensor code; all reductions are the caller's (step.reduce_metrics).
+(counted), runs the registered loss and applies TIS, KL, the entropy bonus and last the
+off-policy corrections (losses.corrections: a dropped token's whole loss is 0, and it stays in
+the denominator); the Megatron-LM drop-in uses it as is. compute_policy_loss then aggregates
+into (loss_sum, denominator) plus one Metrics. Pure tensor code; all reductions are the
+caller's (step.reduce_metrics), except seq_sum's CP all-reduce under context parallelism.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from torch import Tensor
 from ..config import LossConfig
 from .aggregate import aggregate, finalize
 from .common import LossInputs, SeqSum, kl_estimate, kl_penalty, row_sum, tis_weights
+from .corrections import correction_keep, corrections_on, mismatch_sequence_metrics
 from .metrics import Metrics
 from .registry import check_loss_config, input_reasons, missing_input_message
 
@@ -53,6 +56,10 @@ def _zero_invalid(t: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, t.float(), 0.0)
 
 
+def _detached(t: Optional[Tensor], mask: Tensor) -> Optional[Tensor]:
+    return None if t is None else _zero_invalid(t, mask).detach()
+
+
 def valid_tokens(cfg: LossConfig, loss_mask: Tensor, **logprobs: Optional[Tensor]) -> Tensor:
     """[b, s] bool: trained tokens whose logprobs that `cfg` needs (old/rollout/ref, as given) are
     finite. The policy step calls it on the whole batch before the step, so the global
@@ -77,24 +84,30 @@ def per_token_policy_loss(
     ref_logprobs: Optional[Tensor] = None,
     entropy: Optional[Tensor] = None,
     seq_sum: SeqSum = row_sum,
+    keep: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Metrics]:
-    """Per-token policy loss before aggregation: the registered loss, TIS, KL and entropy bonus.
+    """Per-token policy loss before aggregation: the registered loss, TIS, KL, entropy bonus and
+    the off-policy corrections (cfg.correction, and `keep`).
 
     Arguments as compute_policy_loss; seq_sum maps a [b, s] tensor to each token's sequence total
-    (default: one sequence per row; the policy step passes a segment sum for packed rows). Returns (per_token [b, s] fp32, 0 where valid is False;
-    valid [b, s] bool; Metrics). valid = trained tokens whose required anchor/old/rollout/ref
-    logprobs are finite: a non-finite one (e.g. a sampler's -inf) drops the token, counted in
-    policy/nonfinite_dropped, with loss 0 and zero grad. A non-finite *current* logprob on a
-    trained token is not masked: it is a model bug and should surface in the loss.
+    (default: one sequence per row; the policy step passes a segment sum for packed rows). Returns
+    (per_token [b, s] fp32, 0 where valid is False or a correction dropped the token; valid [b, s]
+    bool, the denominator's tokens, corrections or not; Metrics). valid = trained tokens whose
+    required anchor/old/rollout/ref logprobs are finite: a non-finite one (e.g. a sampler's -inf)
+    drops the token, counted in policy/nonfinite_dropped, with loss 0 and zero grad. A non-finite
+    *current* logprob on a trained token is not masked: it is a model bug and should surface.
     """
     spec = check_loss_config(cfg)  # cached: the registry rules run once per config
     given = {"old_logprobs": old_logprobs, "rollout_logprobs": rollout_logprobs,
              "ref_logprobs": ref_logprobs, "entropy": entropy}
-    _check_shapes(logprobs, advantages, {"loss_mask": loss_mask, **given})
+    _check_shapes(logprobs, advantages, {"loss_mask": loss_mask, "keep": keep, **given})
     needed = input_reasons(cfg)
     for name in needed:
         if given[name] is None:
             raise ValueError(missing_input_message(cfg, name))
+    if cfg.correction.m2po is not None and keep is None:
+        raise ValueError(f"correction.m2po={cfg.correction.m2po!r} needs keep, M2PO's token selection over the "
+                         "global batch (step.m2po makes it before the step; the policy step passes it)")
     anchor = spec.anchor_for(cfg)
 
     trained = loss_mask != 0
@@ -117,6 +130,8 @@ def per_token_policy_loss(
         m.mean("mismatch/abs_logprob_diff_mean", (old - rollout).abs(), both)
         # Tokens were sampled from pi_rollout, so this estimates KL(pi_rollout || pi_old).
         m.mean("mismatch/k3_kl", kl_estimate("k3", rollout, old), both)
+        if corrections_on(cfg.correction, keep):
+            mismatch_sequence_metrics(m, old, rollout, both, seq_sum)
     if cfg.tis.level is not None:
         per_token = per_token * tis_weights(cfg.tis, old, rollout, valid, m, seq_sum)
     if ref_logprobs is not None:
@@ -129,7 +144,12 @@ def per_token_policy_loss(
         m.mean("policy/entropy", ent, valid)
         if cfg.entropy_coef != 0:
             per_token = per_token - cfg.entropy_coef * ent
-    return torch.where(valid, per_token.float(), 0.0), valid, m
+    # Last, so that a dropped token contributes nothing at all (no PG, KL or entropy term).
+    kept = correction_keep(cfg.correction, anchor, logprobs=lp, old=_detached(old_logprobs, valid),
+                           rollout=_detached(rollout_logprobs, valid), advantages=x.advantages, valid=valid,
+                           m=m, seq_sum=seq_sum, selected=keep)
+    live = valid if kept is None else valid & kept
+    return torch.where(live, per_token.float(), 0.0), valid, m
 
 
 def compute_policy_loss(
@@ -142,16 +162,20 @@ def compute_policy_loss(
     rollout_logprobs: Optional[Tensor] = None,
     ref_logprobs: Optional[Tensor] = None,
     entropy: Optional[Tensor] = None,
+    keep: Optional[Tensor] = None,
 ) -> PolicyLossOutput:
     """Policy loss for one microbatch: per_token_policy_loss, then aggregated by cfg.loss_agg.
 
     logprobs: [b, s] fp32|bf16, current policy, with grad. advantages: [b] or [b, s].
     loss_mask: [b, s] bool|float, nonzero = trained token. old/rollout/ref_logprobs: [b, s];
     entropy: [b, s]. Which optional tensors are needed is `required_inputs(cfg)`.
+    keep: [b, s] bool, a selection made before the step (M2PO's; required with correction.m2po):
+    False tokens get loss 0 and zero grad but stay in the denominator
+    (correction/m2po_masked_frac counts them).
     """
     per_token, valid, m = per_token_policy_loss(
         cfg, logprobs, advantages=advantages, loss_mask=loss_mask, old_logprobs=old_logprobs,
-        rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, entropy=entropy)
+        rollout_logprobs=rollout_logprobs, ref_logprobs=ref_logprobs, entropy=entropy, keep=keep)
     loss_sum, denominator = aggregate(per_token, valid, cfg.loss_agg, cfg.max_len)
     denominator = denominator.detach()
     m.sums["policy/loss"] = (loss_sum.detach(), denominator)

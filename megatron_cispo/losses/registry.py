@@ -114,8 +114,9 @@ def get_policy_loss(name: str) -> PolicyLoss:
 
 def check_loss_config(cfg: LossConfig) -> PolicyLoss:
     """Every rule that needs the registry, so it also covers plugin losses: the loss exists, its
-    anchor is valid, and a loss anchored on pi_rollout is not stacked with TIS (the anchor already
-    divides by pi_rollout; TIS would divide by it again). Raises ValueError; returns the loss.
+    anchor is valid, and a loss anchored on pi_rollout is not stacked with a rho-correction (TIS,
+    correction.m2po): the anchor already divides by pi_rollout and they would divide by it again.
+    (MIS, Geo-RS and OPSM act on r = pi_theta / pi_rollout there.) Raises ValueError; returns the loss.
 
     Cheap to call per microbatch: after the registry lookup, the rules run once per (config,
     loss) pair and are cached (both are frozen and hashable). A failed check is not cached.
@@ -128,12 +129,14 @@ def check_loss_config(cfg: LossConfig) -> PolicyLoss:
 @functools.lru_cache(maxsize=64)
 def _checked_anchor(cfg: LossConfig, spec: PolicyLoss) -> Anchor:
     anchor = spec.anchor_for(cfg)
-    if anchor == "rollout" and cfg.tis.level is not None:
-        where = f"{spec.anchor_key}='rollout'" if spec.anchor_key else f"policy_loss={cfg.policy_loss!r}"
-        fix = f" or {spec.anchor_key} to 'old'" if spec.anchor_key else ""
-        raise ValueError(f"{where} cannot be combined with tis.level={cfg.tis.level!r}: the loss anchors on "
-                         f"rollout_logprobs, so TIS would double-count the off-policy correction; "
-                         f"set tis.level to None{fix}")
+    rho_corrections = (("tis.level", cfg.tis.level, "TIS"), ("correction.m2po", cfg.correction.m2po, "M2PO"))
+    for key, value, what in rho_corrections:
+        if anchor == "rollout" and value is not None:
+            where = f"{spec.anchor_key}='rollout'" if spec.anchor_key else f"policy_loss={cfg.policy_loss!r}"
+            fix = f" or {spec.anchor_key} to 'old'" if spec.anchor_key else ""
+            raise ValueError(f"{where} cannot be combined with {key}={value!r}: the loss anchors on "
+                             f"rollout_logprobs, so {what} would double-count the off-policy correction; "
+                             f"set {key} to None{fix}")
     return anchor
 
 
@@ -149,6 +152,14 @@ def _input_reasons(cfg: LossConfig, spec: PolicyLoss) -> dict[str, str]:
     if cfg.tis.level is not None:
         for name in ("old_logprobs", "rollout_logprobs"):
             reasons.setdefault(name, f"tis.level={cfg.tis.level!r}")
+    c = cfg.correction
+    settings = {"mis": c.mis and list(c.mis), "geo_rs": c.geo_rs and list(c.geo_rs), "m2po": c.m2po}
+    for key, value in settings.items():  # on rho under the old anchor (m2po: refused on the rollout one)
+        if value is not None and anchor == "old":
+            for name in ("old_logprobs", "rollout_logprobs"):
+                reasons.setdefault(name, f"correction.{key}={value!r}")
+    if c.opsm is not None:  # mean log(pi_rollout / pi_theta) under either anchor
+        reasons.setdefault("rollout_logprobs", f"correction.opsm={c.opsm!r}")
     if cfg.kl.coef > 0:
         reasons["ref_logprobs"] = f"kl.coef={cfg.kl.coef!r}"
     if cfg.entropy_coef != 0:
@@ -157,8 +168,8 @@ def _input_reasons(cfg: LossConfig, spec: PolicyLoss) -> dict[str, str]:
 
 
 def required_inputs(cfg: LossConfig) -> set[str]:
-    """Optional compute_policy_loss arguments this config needs, from the loss's anchor, TIS, KL
-    and entropy. "old_logprobs" absent means the old-logprob forward pass can be skipped."""
+    """Optional compute_policy_loss arguments this config needs, from the loss's anchor, TIS, the
+    corrections, KL and entropy. "old_logprobs" absent means the old-logprob pass can be skipped."""
     return set(input_reasons(cfg))
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_cispo.config import ConfigError, KLConfig, LossConfig, TISConfig
+from megatron_cispo.config import ConfigError, CorrectionConfig, KLConfig, LossConfig, TISConfig
 from megatron_cispo.integrations import megatron_lm as mlm
 from megatron_cispo.integrations.megatron_lm.patch import describe_params, signature_mismatch
 from megatron_cispo.losses import compute_policy_loss
@@ -210,8 +210,8 @@ def test_extra_args_provider_flags_map_onto_loss_config():
 
 
 def test_invalid_flag_value_error_names_the_flag_and_the_field():
-    args = argparse.Namespace(cispo_eps_low=1.5)
-    with pytest.raises(ConfigError, match=r"--cispo-eps-low=1\.5.*eps_low must be in \[0, 1\]"):
+    args = argparse.Namespace(cispo_eps_low=-1.5)
+    with pytest.raises(ConfigError, match=r"--cispo-eps-low=-1\.5.*eps_low must be finite and >= 0"):
         mlm.loss_config_from_args(args)
 
 
@@ -220,6 +220,8 @@ def test_invalid_flag_value_error_names_the_flag_and_the_field():
     (dict(tis=TISConfig(level="token")), "--rl-importance-sampling-truncation-coef"),
     (dict(kl=KLConfig(coef=0.1)), "--grpo-kl-beta"),
     (dict(entropy_coef=0.1), "--grpo-entropy-term-weight"),
+    (dict(correction=CorrectionConfig(geo_rs=(0.9, 1.1))), "off-policy corrections need the policy step"),
+    (dict(correction=CorrectionConfig(mis=(0.5, 2.0))), "off-policy corrections need the policy step"),
 ])
 def test_configs_the_dropin_cannot_honour_are_rejected_with_the_megatron_flag(change, flag):
     with pytest.raises(ConfigError, match=flag):

@@ -102,6 +102,12 @@ def check_dropin_config(cfg: LossConfig) -> LossConfig:
                         "and --rl-importance-sampling-truncation-coef (token-level TIS, old anchor)")
     if cfg.kl.coef != 0.0:
         problems.append(f"kl.coef={cfg.kl.coef!r}: use Megatron's --grpo-kl-beta (k3 estimator)")
+    on = {k: v for k, v in vars(cfg.correction).items() if v is not None}
+    if on:
+        # Megatron-LM packs several sequences per row and hands calculate_grpo_loss no sequence
+        # boundaries, and M2PO needs a selection over the whole batch before the step.
+        problems.append(f"correction {on}: off-policy corrections need the policy step's sequence "
+                        "boundaries and pre-step selection; not available in calculate_grpo_loss")
     if cfg.entropy_coef != 0.0:
         problems.append(f"entropy_coef={cfg.entropy_coef!r}: use Megatron's --grpo-entropy-term-weight")
     if problems:
