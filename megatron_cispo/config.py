@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from .schema import (ConfigError, apply_overrides, check_field_types, config_field, describe_fields, from_dict,
                      parse_override_value, to_dict, type_name)
@@ -26,23 +26,52 @@ def _require(ok: bool, owner: object, name: str, requirement: str) -> None:
 
 
 def _check_clip(section: object) -> None:
+    """Offsets of PPO and rollout_is, whose lower bound 1 - eps_low must stay a ratio in [0, 1]."""
     _require(0.0 <= section.eps_low <= 1.0, section, "eps_low", "in [0, 1]")
     _require(section.eps_high >= 0.0, section, "eps_high", ">= 0")
 
 
+def _check_cispo_clip(c: CispoConfig) -> None:
+    # eps_low > 1 is verl's "no floor" (clip_ratio_low=10): the ratio is > 0, so a floor <= 0 never binds.
+    _require(math.isfinite(c.eps_low) and c.eps_low >= 0.0, c, "eps_low", "finite and >= 0 (above 1: no floor)")
+    _require(c.eps_high >= 0.0, c, "eps_high", ">= 0")
+    _require(c.clip_min is None or (math.isfinite(c.clip_min) and c.clip_min >= 0.0), c, "clip_min",
+             "null or finite and >= 0")
+    _require(c.clip_max is None or c.clip_max > 0.0, c, "clip_max", "null or > 0")
+    low, high = c.bounds()
+    if low > high:
+        raise ValueError(f"CispoConfig: the weight range [{low}, {high}] is empty; the floor (clip_min, else "
+                         f"max(0, 1-eps_low)) must be <= the cap (clip_max, else 1+eps_high)")
+
+
 @dataclass(frozen=True, kw_only=True)
 class CispoConfig:
-    eps_low: float = config_field(1.0, "Weight floor offset: weight = clamp(r, 1-eps_low, 1+eps_high).")
+    """The weight clamp is [low, high] = bounds(): clip_min if set, else max(0, 1 - eps_low); clip_max if
+    set, else 1 + eps_high. An absolute bound replaces its offset; the offset is then ignored.
+    Other frameworks' flags map onto these keys through losses/presets.py (docs/mapping.md)."""
+
+    eps_low: float = config_field(
+        1.0, "Weight floor offset: floor = max(0, 1-eps_low); any value >= 1 means no floor (verl writes 10).")
     eps_high: float = config_field(4.0, "Weight cap offset; 4.0 caps r at 5 (ms-swift --epsilon_high 5.0).")
     anchor: Literal["old", "rollout"] = config_field(
         "old", "Ratio denominator: 'old' = trainer-recomputed pi_old, 'rollout' = sampler logprobs.")
+    clip_min: Optional[float] = config_field(
+        None, "Absolute weight floor; replaces 1-eps_low when set (null = use eps_low).")
+    clip_max: Optional[float] = config_field(
+        None, "Absolute weight cap; replaces 1+eps_high when set (null = use eps_high). May be < 1: "
+        "ms-swift/TRL's default cap 0.2 scales every on-policy token by 0.2.")
     token_mask: bool = config_field(False, "MiniMax-M1 token mask: zero tokens the PPO clip would drop.")
     mask_eps_low: float = config_field(0.2, "Token mask: drop A<0 tokens with r < 1-mask_eps_low.")
     mask_eps_high: float = config_field(0.28, "Token mask: drop A>0 tokens with r > 1+mask_eps_high.")
 
+    def bounds(self) -> tuple[float, float]:
+        """(low, high) of the weight clamp, as the class docstring says."""
+        low = self.clip_min if self.clip_min is not None else max(0.0, 1.0 - self.eps_low)
+        return low, self.clip_max if self.clip_max is not None else 1.0 + self.eps_high
+
     def __post_init__(self) -> None:
         check_field_types(self)  # the Literal fields included
-        _check_clip(self)
+        _check_cispo_clip(self)
         _require(0.0 <= self.mask_eps_low <= 1.0, self, "mask_eps_low", "in [0, 1]")
         _require(self.mask_eps_high >= 0.0, self, "mask_eps_high", ">= 0")
 
@@ -82,12 +111,21 @@ class TISConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class KLConfig:
+    """Per-token KL penalty. Tokens come from pi_rollout, not pi: which KL each setting's gradient
+    follows, on- and off-policy, is in docs/algorithm.md ("KL estimators")."""
+
     coef: float = config_field(0.0, "Weight of the KL(pi || pi_ref) penalty added to the per-token loss.")
     estimator: Literal["k1", "k2", "k3"] = config_field("k3", "Per-token KL estimator (Schulman's k1/k2/k3).")
+    is_weight: bool = config_field(
+        False, "Multiply the estimate by pi/pi_rollout, gradient included (needs rollout_logprobs): with k3 "
+        "(or k1) the value and gradient are then unbiased for KL(pi || pi_ref) from pi_rollout's samples.")
 
     def __post_init__(self) -> None:
         check_field_types(self)  # the Literal fields included
         _require(math.isfinite(self.coef) and self.coef >= 0.0, self, "coef", "finite and >= 0")
+        if self.is_weight and self.estimator == "k2":
+            raise ValueError("KLConfig.is_weight=True needs estimator 'k3' or 'k1' (their expectation under pi is "
+                             "KL(pi || pi_ref); k2's is not a KL), got estimator='k2'")
 
 
 def _check_band(section: object, name: str) -> None:
@@ -125,11 +163,24 @@ class CorrectionConfig:
                  "null or finite and > 0")
 
 
+def _expand_preset(spec: Any, rest: dict, path: str) -> dict:
+    from .losses.presets import expand_preset  # lazy: the losses package imports this module
+    return expand_preset(spec, rest, path)
+
+
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class LossConfig:
+    # Loader-only key (schema.loader_keys): the preset's keys replace it before validation, so the
+    # built config, the dumped config.yaml and the config hash hold the resolved values.
+    __loader_keys__ = {"preset": (
+        Optional[dict[str, Any]], _expand_preset,
+        "Another framework's flags, by their names and defaults: {framework: skyrl | ms_swift | trl | verl | "
+        "nemo_rl | slime, <flag>: value, ...}; becomes policy_loss, cispo.* and tis.* (docs/mapping.md). "
+        "A key also written explicitly must equal the preset's value.")}
+
     policy_loss: str = config_field("cispo", "Registered loss name: cispo, ppo, rollout_is or a plugin.")
     loss_agg: LossAgg = config_field("token_mean", "How per-token losses become one global scalar.")
     max_len: Optional[int] = config_field(None, "Divisor for seq_mean_token_sum_norm (required there).")

@@ -126,6 +126,14 @@ def _convert(tp: Any, value: Any, path: str, strict: bool = False) -> Any:
     raise _fail(path, tp, value)
 
 
+def loader_keys(cls: type) -> dict[str, tuple[Any, Any, str]]:
+    """Keys a dataclass accepts in a dict but does not hold: `__loader_keys__ = {key: (type, expand,
+    doc)}`. from_dict replaces the dict by `expand(value, rest_of_dict, dotted_path)` before building
+    (a null value is just dropped), so the built config, to_dict and the dumped YAML hold only the
+    resolved fields. Overrides may set such keys; describe_fields lists them."""
+    return getattr(cls, "__loader_keys__", {}) if dataclasses.is_dataclass(cls) else {}
+
+
 def from_dict(cls: type, data: Any, path: str = "") -> Any:
     """Build dataclass `cls` from a nested dict; errors name the full dotted key path.
 
@@ -135,11 +143,16 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path or '<root>'}: expected a mapping for {cls.__name__}, "
                           f"got {type(data).__name__} {data!r}")
+    for key, (_, expand, _) in loader_keys(cls).items():
+        if key in data:
+            rest = {k: v for k, v in data.items() if k != key}
+            data = rest if data[key] is None else expand(data[key], rest, _join(path, key))
     hints = _type_hints(cls)
     known = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = [k for k in data if k not in known]
     if unknown:
-        raise ConfigError(f"{_join(path, unknown[0])}: unknown key; known keys: {', '.join(known)}")
+        names = [*known, *loader_keys(cls)]
+        raise ConfigError(f"{_join(path, unknown[0])}: unknown key; known keys: {', '.join(names)}")
     kwargs = {}
     for name, f in known.items():
         if name in data:
@@ -189,8 +202,10 @@ def _schema_child(schema: Any, key: str, path: str) -> Any:
         schema = args[0]
     if dataclasses.is_dataclass(schema):
         hints = typing.get_type_hints(schema)
+        if key in loader_keys(schema):
+            return loader_keys(schema)[key][0]
         if key not in hints:
-            names = ", ".join(f.name for f in dataclasses.fields(schema))
+            names = ", ".join([*(f.name for f in dataclasses.fields(schema)), *loader_keys(schema)])
             raise ConfigError(f"{path}: unknown key; known keys: {names}")
         return hints[key]
     if typing.get_origin(schema) is dict or schema is Any:
@@ -231,6 +246,8 @@ def apply_overrides(data: Mapping, overrides: list[str], *, schema: Any = None) 
 def describe_fields(cls: type, prefix: str = "") -> Iterator[tuple[str, str, Any, str]]:
     """Yield (dotted_key, type_str, default, doc) for every leaf field; default is MISSING if required."""
     hints = typing.get_type_hints(cls)
+    for name, (tp, _, doc) in loader_keys(cls).items():
+        yield _join(prefix, name), type_name(tp), None, doc
     for f in dataclasses.fields(cls):
         key, tp = _join(prefix, f.name), hints[f.name]
         if dataclasses.is_dataclass(tp):

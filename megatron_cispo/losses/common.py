@@ -5,7 +5,7 @@ Pure tensor math on [b, s] fp32 tensors; no process groups.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -61,7 +61,9 @@ def ratio_metrics(m: Metrics, ratio: Tensor, weight: Tensor, x: LossInputs, low:
 def kl_estimate(estimator: str, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from samples of pi; grad flows through logprobs.
 
-    With d = log(pi_ref / pi): k1 = -d, k2 = d^2 / 2, k3 = exp(d) - d - 1 (Schulman 2020).
+    With d = log(pi_ref / pi): k1 = -d, k2 = d^2 / 2, k3 = exp(d) - d - 1 (Schulman 2020). Their
+    expected gradients differ: on-policy, k1's is 0, k2's is grad KL(pi || pi_ref) and k3's is
+    grad KL(pi_ref || pi), per token with the context held fixed (docs/algorithm.md, "KL estimators").
     """
     d = log_ratio(ref_logprobs, logprobs)
     if estimator == "k1":
@@ -94,8 +96,20 @@ def tis_weights(tis: TISConfig, old: Tensor, rollout: Tensor, mask: Tensor, m: M
     return w
 
 
-def kl_penalty(kl: KLConfig, logprobs: Tensor, ref: Tensor, mask: Tensor, m: Metrics) -> Tensor:
-    """kl.coef * per-token KL to the reference; records policy/kl over `mask`."""
+def kl_penalty(kl: KLConfig, logprobs: Tensor, ref: Tensor, mask: Tensor, m: Metrics,
+               rollout: Optional[Tensor] = None) -> Tensor:
+    """kl.coef * per-token KL to the reference, [b, s]; records policy/kl over `mask`.
+
+    With kl.is_weight the estimate is multiplied by w = pi / pi_rollout (`rollout`: the sampler's
+    logprobs, detached), gradient included: E_rollout[grad(w k)] = grad E_pi[k], so k3 and k1 give
+    an unbiased value and gradient of KL(pi || pi_ref) from the sampler's tokens. The log-ratio of w
+    is clamped like every ratio (LOG_RATIO_CLAMP); past the clamp w has no gradient.
+    """
     k = kl_estimate(kl.estimator, logprobs, ref)
+    if kl.is_weight:
+        if rollout is None:
+            raise ValueError("kl.is_weight=True needs rollout_logprobs (the sampler's logprobs, for the weight "
+                             "pi / pi_rollout)")
+        k = log_ratio(logprobs, rollout.detach()).exp() * k
     m.mean("policy/kl", k, mask)
     return kl.coef * k

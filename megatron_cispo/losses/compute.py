@@ -134,9 +134,14 @@ def per_token_policy_loss(
             mismatch_sequence_metrics(m, old, rollout, both, seq_sum)
     if cfg.tis.level is not None:
         per_token = per_token * tis_weights(cfg.tis, old, rollout, valid, m, seq_sum)
-    if ref_logprobs is not None:
+    if ref_logprobs is not None and (rollout_logprobs is not None or not cfg.kl.is_weight):
         has_ref = valid & torch.isfinite(ref_logprobs)
-        penalty = kl_penalty(cfg.kl, lp, _zero_invalid(ref_logprobs, has_ref).detach(), has_ref, m)
+        kl_rollout = None
+        if cfg.kl.is_weight:  # the weight pi / pi_rollout needs the sampler's logprob
+            has_ref = has_ref & torch.isfinite(rollout_logprobs)
+            kl_rollout = _zero_invalid(rollout_logprobs, has_ref).detach()
+        penalty = kl_penalty(cfg.kl, lp, _zero_invalid(ref_logprobs, has_ref).detach(), has_ref, m,
+                             rollout=kl_rollout)
         if cfg.kl.coef > 0:
             per_token = per_token + penalty
     if entropy is not None:

@@ -162,6 +162,8 @@ def _input_reasons(cfg: LossConfig, spec: PolicyLoss) -> dict[str, str]:
         reasons.setdefault("rollout_logprobs", f"correction.opsm={c.opsm!r}")
     if cfg.kl.coef > 0:
         reasons["ref_logprobs"] = f"kl.coef={cfg.kl.coef!r}"
+        if cfg.kl.is_weight:  # the weight pi / pi_rollout
+            reasons.setdefault("rollout_logprobs", "kl.is_weight=True")
     if cfg.entropy_coef != 0:
         reasons["entropy"] = f"entropy_coef={cfg.entropy_coef!r}"
     return reasons

@@ -31,8 +31,16 @@ def test_defaults_are_scalerl_cispo_zero_to_five():
 
 
 @pytest.mark.parametrize("make,message", [
-    (lambda: CispoConfig(eps_low=1.5), r"CispoConfig.eps_low must be in \[0, 1\], got 1.5"),
-    (lambda: CispoConfig(eps_low=-0.1), r"CispoConfig.eps_low must be in \[0, 1\], got -0.1"),
+    (lambda: CispoConfig(eps_low=-0.1), r"CispoConfig.eps_low must be finite and >= 0 \(above 1: no floor\), got -0.1"),
+    (lambda: CispoConfig(eps_low=float("inf")), r"CispoConfig.eps_low must be finite and >= 0 .*, got inf"),
+    (lambda: CispoConfig(clip_min=-0.5), "CispoConfig.clip_min must be null or finite and >= 0, got -0.5"),
+    (lambda: CispoConfig(clip_max=0.0), "CispoConfig.clip_max must be null or > 0, got 0.0"),
+    (lambda: CispoConfig(clip_min=0.5, clip_max=0.2),
+     r"CispoConfig: the weight range \[0.5, 0.2\] is empty; the floor \(clip_min, else max\(0, 1-eps_low\)\) "
+     r"must be <= the cap \(clip_max, else 1\+eps_high\)"),
+    (lambda: CispoConfig(eps_low=0.2, clip_max=0.5), r"CispoConfig: the weight range \[0.8, 0.5\] is empty"),
+    (lambda: KLConfig(is_weight=True, estimator="k2"),
+     r"KLConfig.is_weight=True needs estimator 'k3' or 'k1' .*, got estimator='k2'"),
     (lambda: CispoConfig(eps_high=-1.0), "CispoConfig.eps_high must be >= 0, got -1.0"),
     (lambda: CispoConfig(anchor="sampler"), r"CispoConfig.anchor: expected 'old' \| 'rollout', got str 'sampler'"),
     (lambda: CispoConfig(mask_eps_low=2.0), r"CispoConfig.mask_eps_low must be in \[0, 1\], got 2.0"),
@@ -79,7 +87,7 @@ def test_from_dict_builds_nested_config_with_int_to_float_promotion():
     ({"max_len": False}, r"loss.max_len: expected int \| None, got bool False"),
     ({"tis": {"level": "tok"}}, r"loss.tis.level: expected 'token' \| 'sequence' \| None, got str 'tok'"),
     ({"kl": 0.1}, "loss.kl: expected a mapping for KLConfig, got float 0.1"),
-    ({"cispo": {"eps_low": 2.0}}, r"loss.cispo: CispoConfig.eps_low must be in \[0, 1\], got 2.0"),
+    ({"cispo": {"eps_low": -2.0}}, r"loss.cispo: CispoConfig.eps_low must be finite and >= 0 .*, got -2.0"),
 ])
 def test_from_dict_errors_name_the_full_key_path(data, message):
     with pytest.raises(ConfigError, match=message):
