@@ -85,7 +85,8 @@ def make_loss_func(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_size
     """loss_func(microbatch, logits) -> (loss_sum, num_tokens int, Metrics), megatron's 3-tuple.
 
     microbatch: a dict from step.packing ("targets", "loss_mask", "advantages" [b, s] or a packed
-    [1, T]; optional "old/rollout/ref_logprobs"; "seq_index", "n_seqs"). logits: [b, s, v/tp]
+    [1, T]; optional "old/rollout/ref_logprobs" and "token_keep" (M2PO's selection, bool: False =
+    no loss, still in the denominator); "seq_index", "n_seqs"). logits: [b, s, v/tp]
     as GPTModel returns them. With "agg_weight", "agg_share", "loss_scale" and "num_tokens" (what
     policy_step adds) the loss is exact for any split: it returns loss_scale * sum(weight * loss)
     with num_tokens = the tokens the model (and an MoE router) saw, and megatron's division by
@@ -104,7 +105,8 @@ def make_loss_func(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_size
         lp, ent = out if want_entropy else (out, None)
         old = lp.detach() if old_from_current else mb.get("old_logprobs")
         given = dict(advantages=mb["advantages"], loss_mask=mask, old_logprobs=old,
-                     rollout_logprobs=mb.get("rollout_logprobs"), ref_logprobs=mb.get("ref_logprobs"), entropy=ent)
+                     rollout_logprobs=mb.get("rollout_logprobs"), ref_logprobs=mb.get("ref_logprobs"), entropy=ent,
+                     keep=mb.get("token_keep"))  # M2PO's selection (step.m2po), made before the step
         if "agg_weight" not in mb:
             res = compute_policy_loss(loss_cfg, lp, **given)
             return res.loss_sum, res.denominator.round().to(torch.int), res.metrics

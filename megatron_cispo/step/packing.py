@@ -86,9 +86,11 @@ def cp_indices(segments: list[int], cp: int, cp_rank: int, device) -> Tensor:
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64, device=device)
 
 
-def _fields(batch: Rollouts, weights: tuple[Tensor, Tensor]) -> dict[str, Tensor]:
+def _fields(batch: Rollouts, weights: tuple[Tensor, Tensor],
+            token_fields: Optional[dict[str, Tensor]] = None) -> dict[str, Tensor]:
     n, s = batch.tokens.shape[0], batch.tokens.shape[1] - 1
-    f = {"agg_weight": weights[0], "agg_share": weights[1], "loss_mask": batch.loss_mask.bool()}
+    f = {"agg_weight": weights[0], "agg_share": weights[1], "loss_mask": batch.loss_mask.bool(),
+         **(token_fields or {})}  # extra [n, s] fields, e.g. M2PO's "token_keep" (step.m2po)
     adv = batch.advantages
     f["advantages"] = (adv if adv.dim() == 2 else adv[:, None].expand(n, s)).float()
     for name in ("rollout_logprobs", "old_logprobs", "ref_logprobs"):
@@ -119,7 +121,7 @@ def plan_bins(batch: Rollouts, budget: int, window: Optional[int] = None) -> lis
 
 
 def packed_microbatches(batch: Rollouts, weights: tuple[Tensor, Tensor], bins: list[list[int]], *,
-                        layout: Layout) -> list[dict]:
+                        layout: Layout, token_fields: Optional[dict[str, Tensor]] = None) -> list[dict]:
     """One [1, T_local] microbatch per bin of row indices (an empty bin is all padding). Each
     sequence is padded to layout.pad_multiple, so a bin may exceed the budget by that padding.
 
@@ -131,7 +133,7 @@ def packed_microbatches(batch: Rollouts, weights: tuple[Tensor, Tensor], bins: l
     lengths = batch.target_lengths().tolist()
     padded = [_round_up(L, m) for L in lengths]
     longest = max([sum(padded[i] for i in rows) for rows in bins] + [m])
-    fields = _fields(batch, weights)
+    fields = _fields(batch, weights, token_fields)
     dev, s = batch.tokens.device, batch.tokens.shape[1] - 1
     inputs = _embeddable(batch.tokens, layout.vocab)
     out = []
@@ -181,7 +183,7 @@ def packed_microbatches(batch: Rollouts, weights: tuple[Tensor, Tensor], bins: l
 
 
 def padded_microbatches(batch: Rollouts, weights: tuple[Tensor, Tensor], *, micro_batch_size: int,
-                        layout: Layout) -> list[dict]:
+                        layout: Layout, token_fields: Optional[dict[str, Tensor]] = None) -> list[dict]:
     """Rows of `batch` in groups of micro_batch_size, [b, S] with S = s padded to pad_multiple."""
     if layout.cp > 1:
         raise ValueError(f"context parallelism (cp={layout.cp}) needs packed microbatches: set "
@@ -196,7 +198,7 @@ def padded_microbatches(batch: Rollouts, weights: tuple[Tensor, Tensor], *, micr
 
     def widen(t: Tensor) -> Tensor:
         return torch.cat([t, t.new_zeros(n, extra)], 1) if extra else t
-    fields = {k: widen(v) for k, v in _fields(batch, weights).items()}
+    fields = {k: widen(v) for k, v in _fields(batch, weights, token_fields).items()}
     ids = widen(torch.where(pad[:, :s], 0, _embeddable(batch.tokens[:, :-1], layout.vocab)))
     tgt = widen(torch.where(pad[:, :s], 0, batch.tokens[:, 1:]))
     gidx = torch.where(pad, -1, torch.arange(n, device=dev)[:, None] * s + pos[None, :])
@@ -230,7 +232,7 @@ def step_layout(chunks, step_cfg: StepConfig) -> Layout:
 
 
 def microbatches(batch: Rollouts, loss_cfg: Optional[LossConfig], step_cfg: StepConfig, layout: Layout,
-                 dp_group) -> list[dict]:
+                 dp_group, token_fields: Optional[dict[str, Tensor]] = None) -> list[dict]:
     """`batch` (DP-local; one optimizer step's share) as microbatch dicts for the schedule.
 
     With a loss_cfg, attach the exact global normalisation (without: a forward-only pass). The
@@ -240,6 +242,7 @@ def microbatches(batch: Rollouts, loss_cfg: Optional[LossConfig], step_cfg: Step
     loss_scale = N / D and num_tokens = its own model tokens, so megatron's division by the
     summed num_tokens (N) leaves the exact global loss, and an MoE router's aux loss is scaled by
     the tokens it saw. Packed: every DP rank runs the same number of bins (MAX all-reduce).
+    token_fields: extra [n, s] tensors, cut into every microbatch as loss_mask is (packed, padded, CP).
     """
     dev = batch.tokens.device
     if loss_cfg is not None:
@@ -249,7 +252,8 @@ def microbatches(batch: Rollouts, loss_cfg: Optional[LossConfig], step_cfg: Step
     else:
         w = share = torch.zeros(batch.loss_mask.shape, device=dev)
     if step_cfg.max_tokens_per_microbatch is None:
-        mbs = padded_microbatches(batch, (w, share), micro_batch_size=step_cfg.micro_batch_size, layout=layout)
+        mbs = padded_microbatches(batch, (w, share), micro_batch_size=step_cfg.micro_batch_size, layout=layout,
+                                  token_fields=token_fields)
     else:
         budget = step_cfg.max_tokens_per_microbatch
         longest = int(batch.target_lengths().max()) if batch.tokens.shape[0] else 0
@@ -263,7 +267,10 @@ def microbatches(batch: Rollouts, loss_cfg: Optional[LossConfig], step_cfg: Step
             raise ValueError(f"a row of {longest} tokens (on some data-parallel rank) exceeds "
                              f"max_tokens_per_microbatch={budget}; raise the budget")
         bins += [[] for _ in range(count - len(bins))]
-        mbs = packed_microbatches(batch, (w, share), bins, layout=layout)
+        mbs = packed_microbatches(batch, (w, share), bins, layout=layout, token_fields=token_fields)
+    kept = batch.kept()  # sampling-mask replay: each microbatch's positions' sets, via its gather index
+    for mb in mbs if kept is not None else []:
+        mb["kept_set"] = kept.take(mb["gather_index"])  # padding (-1): empty, the full vocabulary
     if loss_cfg is not None:
         totals = torch.stack([denom.double(), batch.target_lengths().sum().double()]).to(dev)
         all_reduce_in(totals, dist.ReduceOp.SUM, dp_group)

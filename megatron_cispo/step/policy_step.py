@@ -3,7 +3,8 @@
     metrics = policy_step(chunks, optimizer, rollouts, loss_cfg, StepConfig(micro_batch_size=2))
 
 Data flow: plan how pi_old is obtained (given, a forward-only pass, or the training forward
-itself) -> optional pi_old / pi_ref passes -> per minibatch, megatron's schedule runs
+itself) -> optional pi_old / pi_ref passes -> with correction.m2po, one global token selection
+over the whole batch (step.m2po) -> per minibatch, megatron's schedule runs
 `make_loss_func`'s loss plugin and the optimizer steps -> the microbatch Metrics are reduced
 exactly over DP x CP on the last stage and broadcast over the pipeline.
 Guards: non-finite advantages on trained targets are refused before any schedule runs, and an
@@ -20,11 +21,12 @@ import torch
 import torch.distributed as dist
 
 from ..config import LossConfig
-from ..losses import check_loss_config, required_inputs
+from ..losses import check_loss_config, required_inputs, valid_tokens
 from ..losses.registry import missing_input_message
 from .forward import check_megatron_config, compute_logprobs, forward_step_for, make_loss_func, run_schedule
 from .guard import (NONFINITE_CHECKS, check_advantages, has_grad_scaler, nonfinite_this_step, warn_skipped,
                     watch_loss, zero_grads)
+from .m2po import dp_shard_row_ids, step_selection
 from .moe import moe_aux_loss_compensation
 from .packing import microbatches, step_layout
 from .pipeline import broadcast_object_from_last_stage, is_last_stage
@@ -37,18 +39,20 @@ OldPlan = Literal["given", "pass", "from_training_forward", "unused"]
 
 def plan_old_logprobs(loss_cfg: LossConfig, step_cfg: StepConfig, *, optimizer_steps: int,
                       have_old: bool) -> OldPlan:
-    """Decide how pi_old is obtained. `required_inputs` already consults the anchor, TIS and KL."""
+    """Decide how pi_old is obtained. `required_inputs` already consults the anchor, TIS and KL.
+    M2PO selects tokens by pi_old before the first microbatch runs, so it always needs the pass."""
     if "old_logprobs" not in required_inputs(loss_cfg):
         return "unused"  # e.g. cispo with anchor='rollout' and no TIS
     if have_old:
         return "given"
-    if step_cfg.old_logprob_pass == "auto" and optimizer_steps == 1:
+    if step_cfg.old_logprob_pass == "auto" and optimizer_steps == 1 and loss_cfg.correction.m2po is None:
         return "from_training_forward"  # one step per batch: pi_old == pi_theta, detached
     return "pass"
 
 
 def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_cfg: StepConfig, *,
-                vocab_size: Optional[int] = None, ref_chunks=None, calls: Optional[list] = None) -> dict[str, float]:
+                vocab_size: Optional[int] = None, ref_chunks=None, calls: Optional[list] = None,
+                row_ids: Optional[torch.Tensor] = None) -> dict[str, float]:
     """Run one full RL update (minibatches x epochs, each an optimizer step) on DP-local `batch`.
 
     Each micro_batch_size rows are packed into [1, T] bins of at most
@@ -67,6 +71,11 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
     optimizer and counted as overflow), "step/nonfinite_{logits,loss,grad}" (steps where each was),
     "step/old_logprob_pass" (1.0 if an extra forward pass computed pi_old),
     "step/forward_calls" (model forwards on this rank) and "step/microbatches" (per step, this rank).
+    With loss.correction.m2po, the selection adds "correction/m2po_m2_before" / "_after" (mean
+    (log rho)^2 over the valid / kept tokens) and "correction/m2po_kept_m2_max", exact over the
+    global batch; the loss reports "correction/m2po_masked_frac". row_ids: [n] int, each local
+    row's global sequence index, unique over DP and the same in every layout (M2PO's tie-break);
+    default: the Rollouts.dp_shard layout, with as many minibatches as minibatch_size makes.
     Raises ValueError on every rank, before any schedule, for a non-finite advantage on a
     trained target on any rank (`check_advantages`); non-finite old/rollout/ref logprobs are not
     an error: the loss drops those tokens and counts them in "policy/nonfinite_dropped".
@@ -117,6 +126,14 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
         batch = replace(batch, old_logprobs=score(chunks))
     if "ref_logprobs" in required_inputs(loss_cfg) and batch.ref_logprobs is None:
         batch = replace(batch, ref_logprobs=score(ref_chunks))
+    keep, m2po_metrics = None, {}
+    if loss_cfg.correction.m2po is not None:  # whole batch, every DP rank, before the first microbatch
+        rows_global = dp_shard_row_ids(n, mini_local, mpu.get_data_parallel_rank(), dp, param.device) \
+            if row_ids is None else row_ids
+        given = {k: getattr(batch, k) for k in ("old_logprobs", "rollout_logprobs", "ref_logprobs")}
+        keep, m2po_metrics = step_selection(batch.old_logprobs, batch.rollout_logprobs,
+                                            valid_tokens(loss_cfg, batch.loss_mask, **given),
+                                            loss_cfg.correction.m2po, row_ids=rows_global, group=dp_group)
     seen: list = []
     loss_func = make_loss_func(loss_cfg, temperature=step_cfg.temperature, vocab_size=vocab_size,
                                old_from_current=plan == "from_training_forward")
@@ -126,7 +143,9 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
     scaler = has_grad_scaler(optimizer)
     for _ in range(step_cfg.epochs):
         for start in range(0, n, mini_local):
-            mbs = build(Rollouts(**batch.select(slice(start, start + mini_local))))
+            part = slice(start, start + mini_local)
+            mbs = build(Rollouts(**batch.select(part)),
+                        token_fields=None if keep is None else {"token_keep": keep[part]})
             counts.append(len(mbs))
             zero_grads(chunks, optimizer)
             seen.clear()
@@ -157,5 +176,5 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
                     "step/skipped_nonfinite": float(skipped_nonfinite),
                     **{f"step/nonfinite_{k}": float(v) for k, v in nonfinite.items()},
                     "step/old_logprob_pass": float(plan == "pass"), "step/forward_calls": float(len(calls)),
-                    "step/microbatches": sum(counts) / len(counts)})
+                    "step/microbatches": sum(counts) / len(counts), **m2po_metrics})
     return metrics
