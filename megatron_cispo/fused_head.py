@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .kept_set import KeptSet, Replay, plan_replay
 from .vocab_softmax import (DTYPES, IGNORE_INDEX, Plan, chunk_grad, chunk_stats, empty_stats, grad_rows,
                             plan_targets, reduce_stats, resolve_group, row_chunks, workspace)
 
@@ -51,7 +52,7 @@ def _chunk_logits(hc: Tensor, wc: Tensor, w: Tensor) -> Tensor:
 class _FusedTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, lt: Tensor, owned: Tensor, valid: Tensor,
-                plan: Plan, head: _Head):
+                plan: Plan, head: _Head, replay: Replay | None):
         ctx.hidden_meta = (hidden.shape, hidden.dtype)  # this rank's: the gradient's shape and dtype
         gather = head.sequence_parallel and plan.group is not None
         local = hidden.contiguous() if gather else None
@@ -63,19 +64,27 @@ class _FusedTokenLogprobs(torch.autograd.Function):
         m, s, e = empty_stats(x.shape[0], entropy, x.device)
         tx = torch.zeros_like(s)  # target logit; valid on its owner only
         ws = workspace((2 if entropy else 1) * plan.chunk_rows * nv, x.device)
-        for r0, r1 in row_chunks(x.shape[0] if nv else 0, plan.chunk_rows):
+        if replay is not None:  # each chunk reads its rows' kept logits, a slice of the entries
+            kv = torch.empty(replay.row.shape, dtype=torch.float32, device=x.device)
+            _, _, bounds = replay.by_chunk(None, plan.chunk_rows)
+        for c, (r0, r1) in enumerate(row_chunks(x.shape[0] if nv else 0, plan.chunk_rows)):
             n = (r1 - r0) * nv
             w = ws[:n].view(r1 - r0, nv)
             logits = _chunk_logits(x[r0:r1].to(head.compute), wc, w)
             tx[r0:r1] = logits.gather(1, lt[r0:r1, None]).squeeze(1)
+            if replay is not None:
+                k = slice(bounds[c], bounds[c + 1])
+                kv[k] = logits[replay.row[k] - r0, replay.col[k]]
             chunk_stats(w, ws[n:2 * n].view_as(w) if entropy else None, logits, m[r0:r1], s[r0:r1],
                          None if e is None else e[r0:r1], plan.temperature)
-        lp, ent, s, e_mean = reduce_stats(m, s, e, tx, owned, valid, plan)
+        replay = None if replay is None else replace(replay, kv=kv)
+        lp, ent, s, e_mean, pk = reduce_stats(m, s, e, tx, owned, valid, plan, replay)
         ctx.set_materialize_grads(False)
         # Under SP keep only this rank's slice, as ColumnParallelLinear does, and gather it again
         # in backward: the gathered [N, h] would be tp times the activation memory.
         ctx.save_for_backward(local if gather else x, weight)
         ctx.plan, ctx.head, ctx.stats = plan, head, (m, s, e_mean, lt, owned, valid)
+        ctx.replay = (replay, pk)
         shape = hidden.shape[:-1]
         return (lp.view(shape), ent.view(shape)) if entropy else lp.view(shape)
 
@@ -83,13 +92,15 @@ class _FusedTokenLogprobs(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_lp: Tensor | None, g_ent: Tensor | None = None):
         x, weight = ctx.saved_tensors
-        plan, head = ctx.plan, ctx.head
+        plan, head, (rp, pk) = ctx.plan, ctx.head, ctx.replay
         if head.sequence_parallel and plan.group is not None:
             x = _gather_sequence(x, plan.group, head.tp)
             x = x.view(-1, x.shape[-1])
         need_h, need_w = ctx.needs_input_grad[:2]
         nv, cd, t = plan.n_valid, head.compute, plan.temperature
-        coef, active = grad_rows(g_lp, g_ent, ctx.stats, t)
+        coef, active = grad_rows(g_lp if rp is None else rp.dense_part(g_lp), g_ent, ctx.stats, t)
+        if rp is not None and g_lp is not None:  # rows whose kept-set gradient needs their logits
+            active = active | (rp.rows & (g_lp.reshape(-1) != 0))
         wc = weight[:nv].to(cd)
         rows = (active.nonzero().squeeze(1) if nv and (need_h or need_w)  # host sync: rows to skip
                 else torch.zeros(0, dtype=torch.long, device=x.device))
@@ -102,13 +113,20 @@ class _FusedTokenLogprobs(torch.autograd.Function):
             None if gw is None else gw[:nv])
         n_ws = 1 if coef.a is None else 2
         ws = workspace(n_ws * plan.chunk_rows * nv, x.device)
-        for c0, c1 in row_chunks(rows.numel(), plan.chunk_rows):
+        if rp is not None:  # every entry with a gradient is in an active row
+            ck = rp.coef(g_lp, pk, t)
+            pos, sel, bounds = rp.by_chunk(None if dense else rows, plan.chunk_rows)
+        for c, (c0, c1) in enumerate(row_chunks(rows.numel(), plan.chunk_rows)):
             idx = slice(c0, c1) if dense else rows[c0:c1]
             n = (c1 - c0) * nv
             w = ws[:n].view(c1 - c0, nv)
             hc = x[idx].to(cd)
             g = chunk_grad(w, None if coef.a is None else ws[n:2 * n].view_as(w),
-                            _chunk_logits(hc, wc, w), coef.take(idx), t).to(cd)  # d loss / d logits
+                            _chunk_logits(hc, wc, w), coef.take(idx), t)  # d loss / d logits
+            if rp is not None:
+                k = sel[bounds[c]:bounds[c + 1]]
+                g.index_put_((pos[k] - c0, rp.col[k]), ck[k], accumulate=True)
+            g = g.to(cd)
             if need_h:
                 gh[idx] = g @ wc
             if acc is not None and cd == torch.float32:
@@ -121,7 +139,7 @@ class _FusedTokenLogprobs(torch.autograd.Function):
             gh = _sum_hidden_grad(gh, plan.group, head)
             shape, dtype = ctx.hidden_meta
             gh = gh.view(shape).to(dtype)
-        return gh, gw, None, None, None, None, None
+        return gh, gw, None, None, None, None, None, None
 
 
 def _gather_sequence(local: Tensor, group, tp: int) -> Tensor:
@@ -151,7 +169,7 @@ def fused_token_logprobs(
     hidden: Tensor, weight: Tensor, targets: Tensor, *, tp_group=None, sequence_parallel: bool = False,
     temperature: float = 1.0, return_entropy: bool = False, vocab_size: int | None = None,
     mask: Tensor | None = None, ignore_index: int = IGNORE_INDEX, chunk_rows: int | None = None,
-    head_dtype: torch.dtype | None = None,
+    head_dtype: torch.dtype | None = None, keep: KeptSet | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """log softmax(hidden @ weight.T / T)[target] over a vocabulary sharded across the TP group,
     without the [tokens, v_local] logits ever existing (forward or backward).
@@ -168,6 +186,8 @@ def fused_token_logprobs(
     head_dtype: the dtype of the matmuls (torch.float32 gives an fp32 head from bf16 parameters;
         it costs one [v_local, h] copy of the weight in forward and one in backward); None means
         the inputs' dtype, and then hidden and weight must agree.
+    keep: sampling-mask replay over the flattened [s, b] targets, as in token_logprobs; each chunk
+        of rows reads and differentiates its slice of the kept ids.
     Returns logprobs [s, b] fp32, or (logprobs, entropy); gradients flow to hidden (summed over
     TP as ColumnParallelLinear's backward does) and to weight (in weight's dtype, summed over the
     chunks in fp32).
@@ -204,4 +224,5 @@ def fused_token_logprobs(
     if chunk_rows is None:
         plan = replace(plan, chunk_rows=max(plan.chunk_rows, _MIN_DEFAULT_CHUNK_ROWS))
     head = _Head(head_dtype or hidden.dtype, sp, tp, rank)
-    return _FusedTokenLogprobs.apply(hidden, weight, lt, owned, valid, plan, head)
+    replay = plan_replay(keep, targets, valid, plan)
+    return _FusedTokenLogprobs.apply(hidden, weight, lt, owned, valid, plan, head, replay)

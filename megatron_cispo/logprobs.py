@@ -2,6 +2,7 @@
 
     lp = token_logprobs(logits, targets)                                   # [s, b] fp32
     lp, ent = token_logprobs(logits, targets, temperature=0.7, return_entropy=True)
+    lp = token_logprobs(logits, targets, keep=KeptSet(ids, offsets))  # over the sampler's kept set
 
 This is the pure-PyTorch reference path; it runs on CPU and GPU alike. Forward streams the
 logits once through a small reusable fp32 workspace and does 2 small TP all-reduces; backward
@@ -11,11 +12,13 @@ The chunked softmax itself (vocab_softmax.py) is shared with fused_head.py.
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from typing import Literal
 
 import torch
 from torch import Tensor
 
+from .kept_set import KeptSet, Replay, plan_replay
 from .vocab_softmax import (DTYPES, IGNORE_INDEX, Plan, chunk_grad, chunk_stats, empty_stats,
                             grad_rows, plan_targets, reduce_stats, row_chunks, workspace)
 
@@ -41,14 +44,17 @@ def _local_stats(x2: Tensor, plan: Plan):
 
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: Tensor, lt: Tensor, owned: Tensor, valid: Tensor, plan: Plan):
+    def forward(ctx, logits: Tensor, lt: Tensor, owned: Tensor, valid: Tensor, plan: Plan,
+                replay: Replay | None):
         x2 = logits.reshape(-1, logits.shape[-1])
         m, s, e = _local_stats(x2, plan)
         tx = x2.gather(1, lt[:, None]).squeeze(1).float()  # target logit; valid on its owner only
-        lp, ent, s, e_mean = reduce_stats(m, s, e, tx, owned, valid, plan)
+        if replay is not None:  # the kept ids' logits: [E], read once, kept for backward
+            replay = replace(replay, kv=x2[replay.row, replay.col].float())
+        lp, ent, s, e_mean, pk = reduce_stats(m, s, e, tx, owned, valid, plan, replay)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(logits)
-        ctx.plan, ctx.stats = plan, (m, s, e_mean, lt, owned, valid)
+        ctx.plan, ctx.stats, ctx.replay = plan, (m, s, e_mean, lt, owned, valid), (replay, pk)
         shape = logits.shape[:-1]
         return (lp.view(shape), ent.view(shape)) if plan.entropy else lp.view(shape)
 
@@ -56,14 +62,14 @@ class _TokenLogprobs(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_lp: Tensor | None, g_ent: Tensor | None = None):
         logits, = ctx.saved_tensors
-        plan = ctx.plan
+        plan, (rp, pk) = ctx.plan, ctx.replay
         inplace = plan.inplace is True or (plan.inplace == "auto" and _sole_owner(logits))
         x2 = logits.reshape(-1, logits.shape[-1])
         n_rows, nv, t = x2.shape[0], plan.n_valid, plan.temperature
-        coef, active = grad_rows(g_lp, g_ent, ctx.stats, t)
+        coef, active = grad_rows(g_lp if rp is None else rp.dense_part(g_lp), g_ent, ctx.stats, t)
         out = x2 if inplace else torch.empty_like(x2, memory_format=torch.contiguous_format)
         if nv == 0:  # this shard is all vocab padding
-            return out.zero_().view_as(logits), None, None, None, None
+            return out.zero_().view_as(logits), None, None, None, None, None
         if nv < x2.shape[1]:
             out[:, nv:].zero_()  # vocab padding takes no part in the softmax
         rows = active.nonzero().squeeze(1)  # host sync: row skipping needs the count
@@ -74,19 +80,28 @@ class _TokenLogprobs(torch.autograd.Function):
         direct = dense and out.dtype == torch.float32 and nv == x2.shape[1]
         n_ws = (0 if direct else 1) + (0 if coef.a is None else 1)
         ws = workspace(n_ws * plan.chunk_rows * nv, x2.device)
-        for c0, c1 in row_chunks(rows.numel(), plan.chunk_rows):
+        if rp is not None:  # kept entries of the dense rows join their chunk; the rest go after
+            ck = rp.coef(g_lp, pk, t)
+            pos, sel, bounds = rp.by_chunk(None if dense else rows, plan.chunk_rows)
+        for c, (c0, c1) in enumerate(row_chunks(rows.numel(), plan.chunk_rows)):
             idx = slice(c0, c1) if dense else rows[c0:c1]
             n = (c1 - c0) * nv
             w = out[idx] if direct else ws[:n].view(c1 - c0, nv)
             p = None if coef.a is None else ws[n_ws * n - n:n_ws * n].view_as(w)  # the last slot
             chunk_grad(w, p, x2[idx, :nv], coef.take(idx), t)
+            if rp is not None:
+                k = sel[bounds[c]:bounds[c + 1]]
+                w.index_put_((pos[k] - c0, rp.col[k]), ck[k], accumulate=True)
             if direct:
                 continue
             if dense:
                 out[idx, :nv].copy_(w)
             else:
                 out[:, :nv].index_copy_(0, idx, w.to(out.dtype))
-        return out.view_as(logits), None, None, None, None
+        if rp is not None and not dense:  # rows with only a kept-set gradient: zeros until here
+            k = (pos < 0).nonzero().squeeze(1)
+            out.index_put_((rp.row[k], rp.col[k]), ck[k].to(out.dtype), accumulate=True)
+        return out.view_as(logits), None, None, None, None, None
 
 
 _calibrated: list = []  # [expected counts or None], filled once per process
@@ -146,9 +161,10 @@ def token_logprobs(
     vocab_parallel_logits: Tensor, targets: Tensor, *, tp_group=None, temperature: float = 1.0,
     return_entropy: bool = False, vocab_size: int | None = None, mask: Tensor | None = None,
     ignore_index: int = IGNORE_INDEX, inplace_backward: bool | Literal["auto"] = "auto",
-    chunk_rows: int | None = None,
+    chunk_rows: int | None = None, keep: KeptSet | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """log softmax(logits / T)[target] over a vocabulary sharded across the TP group.
+    """log softmax(logits / T)[target] over a vocabulary sharded across the TP group, or over the
+    sampler's kept set (keep=: sampling-mask replay).
 
     vocab_parallel_logits: [*lead, v_local] fp32|bf16|fp16; rank r holds global columns
         [r * v_local, (r + 1) * v_local). Never modified, except as `inplace_backward` says.
@@ -165,10 +181,15 @@ def token_logprobs(
         backward), so the caller cannot observe it; True always does (the caller promises not
         to read the logits after backward); False never does.
     chunk_rows: rows per workspace chunk (default: sized by CHUNK_BYTES).
+    keep: the kept vocabulary ids of each [*lead] position (kept_set.KeptSet, global ids, the same
+        on every TP rank): lp = z_target - logsumexp over the kept ids of z = logits / T, whose
+        gradient is ([v = target] - p^K_v) / T on kept ids and 0 elsewhere. A position with an
+        empty set keeps the full vocabulary; a trained target outside its set is an error. Entropy
+        stays the full distribution's. Extra memory O(kept ids); no extra collective.
     Returns logprobs [*lead] fp32, or (logprobs, entropy).
     Collectives: forward does one MAX and one packed SUM all-reduce of [*lead]-sized fp32 stats
     over tp_group (none for one process); backward does none. One host sync validates targets
-    and one in backward counts the rows to skip.
+    and one in backward counts the rows to skip (keep adds two in forward, one to three in backward).
     """
     x = vocab_parallel_logits
     if x.dtype not in DTYPES or x.dim() < 1:
@@ -184,6 +205,7 @@ def token_logprobs(
         targets, x.shape[-1], x.device, tp_group=tp_group, temperature=temperature,
         return_entropy=return_entropy, vocab_size=vocab_size, mask=mask, ignore_index=ignore_index,
         chunk_rows=chunk_rows, inplace=inplace_backward)
+    replay = plan_replay(keep, targets, valid, plan)
     if inplace_backward == "auto" and x.requires_grad and torch.is_grad_enabled():
         _calibrate()  # once per process, here rather than re-entrantly inside backward
-    return _TokenLogprobs.apply(x, lt, owned, valid, plan)
+    return _TokenLogprobs.apply(x, lt, owned, valid, plan, replay)

@@ -56,6 +56,8 @@ class Plan:
     entropy: bool
     group: object  # a process group with > 1 rank, or None for no collectives
     inplace: bool | str
+    start: int = 0  # the global id of this shard's first column
+    vocab: int = 0  # the true vocabulary: ids >= vocab are padding
 
 
 def row_chunks(n_rows: int, chunk_rows: int):
@@ -108,17 +110,22 @@ def empty_stats(n_rows: int, entropy: bool, device: torch.device):
 
 
 def reduce_stats(m: Tensor, s: Tensor, e: Tensor | None, tx: Tensor, owned: Tensor, valid: Tensor,
-                  plan: Plan):
+                  plan: Plan, replay=None):
     """This shard's row stats -> logprobs and entropy over the whole vocabulary.
 
     m, s, e: [N] fp32 from chunk_stats (m is made the global max, in place); tx: [N] fp32 target
-    logit, read on its owner only. Returns lp, ent (None without entropy), and the global S and
-    e_mean = sum_j p_j u_j that backward needs. Collectives: exactly one MAX and one packed SUM
-    all-reduce over plan.group, whatever the chunking; none for one process.
+    logit, read on its owner only. replay: a kept_set.Replay with its logits, or None: its rows'
+    lp is over their kept set (entropy stays the full one's). Returns lp, ent (None without
+    entropy), the global S and e_mean = sum_j p_j u_j that backward needs, and the kept entries'
+    probabilities pk (None without replay). Collectives: exactly one MAX and one packed SUM
+    all-reduce over plan.group (replay rides on both), whatever the chunking; none for one process.
     """
+    mk = None if replay is None else replay.local_max()
     if plan.group is not None:
         m_loc = m.clone()
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=plan.group)
+        both = m if mk is None else torch.stack([m, mk])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=plan.group)
+        m, mk = (m, None) if mk is None else (m.copy_(both[0]), both[1])
         shift = (m_loc - m) * (LOG2E / plan.temperature)
         scale = shift.exp2()
         if e is not None:  # re-centre sum 2^u u on the global max
@@ -126,6 +133,7 @@ def reduce_stats(m: Tensor, s: Tensor, e: Tensor | None, tx: Tensor, owned: Tens
         s = scale * s
     td = torch.where(owned, (tx - m) / plan.temperature, 0.0)  # z_target - max z
     parts = [s, td] + ([e] if e is not None else [])
+    parts += [] if mk is None else replay.sums(mk, tx, owned, plan.temperature)  # [sk, tdk]
     if plan.group is not None:
         packed = torch.stack(parts)
         dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=plan.group)
@@ -135,7 +143,8 @@ def reduce_stats(m: Tensor, s: Tensor, e: Tensor | None, tx: Tensor, owned: Tens
     lp = torch.where(valid, td - log_s, 0.0)
     e_mean = parts[2] / s if plan.entropy else None  # sum_j p_j u_j
     ent = log_s - LN2 * e_mean if plan.entropy else None
-    return lp, ent, s, e_mean
+    lp, pk = (lp, None) if mk is None else replay.finish(lp, mk, *parts[-2:], plan.temperature)
+    return lp, ent, s, e_mean, pk
 
 
 class GradRows(NamedTuple):
@@ -239,5 +248,5 @@ def plan_targets(targets: Tensor, v_local: int, device: torch.device, *, tp_grou
     lt = t - start
     owned = valid & (lt >= 0) & (lt < n_valid)
     lt = torch.where(owned, lt, 0)
-    plan = Plan(float(temperature), n_valid, chunk_rows, bool(return_entropy), group, inplace)
+    plan = Plan(float(temperature), n_valid, chunk_rows, bool(return_entropy), group, inplace, start, vocab)
     return plan, lt, owned, valid

@@ -8,15 +8,19 @@ versions in a queue, samples with its own temperature and precision (e.g. bf16 a
 fp32 trainer) and returns its per-token logprobs. Every rank generates the whole global batch
 from generators keyed by (seed, step, global sample index) and keeps its DP shard. Variable-length
 tasks still sample answer_len tokens per row; a row ends at its first EOS (`Batch.lengths`).
+With rollout.top_k / top_p it samples from the filtered distribution, as vLLM does, and returns
+the kept sets (compressed rows) and the logprobs renormalised over them (sampling-mask replay).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .gpt import TorchGPT
+from ..kept_set import KeptSet
 from .task import PAD, Task, group_advantages, keyed_generator
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -34,11 +38,30 @@ class Batch:
     advantages: Tensor        # [n] fp32, or [n, total_len - 1] for credit="token"
     correct: Tensor           # [n, answer_len] bool
     version: int              # policy version that sampled it
+    keep: Optional[KeptSet] = None  # the kept set of every [n, total_len - 1] target (top_k / top_p)
 
     def rollout_fields(self) -> dict[str, Tensor]:
         """The global batch as step.Rollouts fields; Rollouts.dp_shard splits it over DP."""
+        kept = {} if self.keep is None else {"keep_ids": self.keep.ids, "keep_offsets": self.keep.offsets}
         return {"tokens": self.tokens, "lengths": self.lengths, "loss_mask": self.loss_mask,
-                "advantages": self.advantages, "rollout_logprobs": self.rollout_logprobs}
+                "advantages": self.advantages, "rollout_logprobs": self.rollout_logprobs, **kept}
+
+
+def top_k_top_p(logits: Tensor, k: int, p: float) -> Tensor:
+    """logits [n, V] with -inf outside the kept set, as vLLM's apply_top_k_top_p (vllm/v1/sample/
+    ops/topk_topp_sampler.py) filters them: top-k keeps every logit >= the k-th largest (ties
+    kept); top-p then drops the tokens whose ascending cumulative probability (after top-k) is
+    <= 1 - p, never the most likely. k = 0 and p = 1 are off."""
+    if k <= 0 and p >= 1.0:
+        return logits
+    srt, idx = logits.sort(-1)  # ascending
+    if 0 < k < srt.shape[-1]:
+        srt = srt.masked_fill(srt < srt[:, -k, None], -torch.inf)
+    if p < 1.0:
+        drop = srt.softmax(-1).cumsum(-1) <= 1 - p
+        drop[:, -1] = False
+        srt = srt.masked_fill(drop, -torch.inf)
+    return srt.scatter(-1, idx, srt)
 
 
 class Sampler:
@@ -63,32 +86,43 @@ class Sampler:
         return TorchGPT(self.versions[version], self.model_cfg, dtype=_DTYPES[self.cfg.precision],
                         device=self.device)
 
-    @torch.no_grad()
     def generate(self, engine: TorchGPT, prompts: Tensor, step: int) -> tuple[Tensor, Tensor]:
-        """Sample answer_len tokens per row -> (tokens [n, total_len], logprobs [n, answer_len] fp32).
+        """(tokens [n, total_len], logprobs [n, answer_len] fp32) of `sample`, without the kept sets."""
+        return self.sample(engine, prompts, step)[:2]
+
+    @torch.no_grad()
+    def sample(self, engine: TorchGPT, prompts: Tensor, step: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Sample answer_len tokens per row -> (tokens [n, total_len], logprobs [n, answer_len] fp32,
+        kept [n, answer_len, V] bool: each draw's kept set, all True without top_k / top_p).
 
         Row i is global sample index step * n + i; its uniforms come from a generator keyed by it.
         Recomputes the whole prefix per token (no KV cache): sequences are a dozen tokens.
+        Temperature applies before top-k / top-p, and the logprobs are over the kept set (vLLM's
+        processed_logprobs).
         """
         n, a = prompts.shape[0], self.task.answer_len
         u = torch.stack([torch.rand(a, generator=keyed_generator(self.seed, "sample", step * n + i))
                          for i in range(n)]).to(self.device)
-        tokens, logps = prompts.to(self.device), []
+        tokens, logps, kept = prompts.to(self.device), [], []
         for j in range(a):
             logits = engine.logits(tokens)[:, -1].float() / self.cfg.temperature
+            logits = top_k_top_p(logits, self.cfg.top_k, self.cfg.top_p)
             logp = torch.log_softmax(logits, -1)
             cdf = logp.exp().cumsum(-1)
-            nxt = torch.searchsorted(cdf, (u[:, j] * cdf[:, -1]).unsqueeze(1)).clamp_(max=logits.shape[-1] - 1)
+            # right: a draw never lands on a token of zero probability (one outside the kept set)
+            nxt = torch.searchsorted(cdf, (u[:, j] * cdf[:, -1]).unsqueeze(1), right=True)
+            nxt.clamp_(max=logits.shape[-1] - 1)
             logps.append(logp.gather(1, nxt).squeeze(1))
+            kept.append(torch.isfinite(logits))
             tokens = torch.cat([tokens, nxt], 1)
-        return tokens.cpu(), torch.stack(logps, 1).cpu()
+        return tokens.cpu(), torch.stack(logps, 1).cpu(), torch.stack(kept, 1).cpu()
 
     def rollouts(self, step: int) -> Batch:
         """The global batch of 0-based `step`: prompts x group samples, rewards, group advantages."""
         version = self.version_for(step)
         g, p = self.cfg.group_size, self.cfg.prompts_per_step
         prompts = self.task.prompts(self.seed, step, p).repeat_interleave(g, 0)
-        tokens, answer_lp = self.generate(self.engine(version), prompts, step)
+        tokens, answer_lp, kept = self.sample(self.engine(version), prompts, step)
         lengths = self.task.lengths(tokens)  # a variable-length row ends at its first EOS
         tokens = tokens.masked_fill(torch.arange(tokens.shape[1]) >= lengths[:, None], PAD)
         rewards, correct = self.task.rewards(tokens)
@@ -102,8 +136,13 @@ class Sampler:
             advantages[:, -a:] = group_advantages(correct.float(), g)
         else:
             advantages = group_advantages(rewards, g)
+        keep = None
+        if self.cfg.top_k > 0 or self.cfg.top_p < 1.0:  # each trained target's kept set; none elsewhere
+            full = torch.zeros(*mask.shape, kept.shape[-1], dtype=torch.bool)
+            full[:, -a:] = kept
+            keep = KeptSet.from_mask(full & mask[..., None])
         return Batch(tokens=tokens, lengths=lengths, loss_mask=mask, rollout_logprobs=rollout_lp,
-                     rewards=rewards, advantages=advantages, correct=correct, version=version)
+                     rewards=rewards, advantages=advantages, correct=correct, version=version, keep=keep)
 
     def state_dict(self) -> dict:
         return {"versions": self.versions}

@@ -115,12 +115,22 @@ class RolloutConfig:
     staleness: int = config_field(2, "Policy versions the sampler lags: step t samples with version max(0, t-k).")
     temperature: float = config_field(1.0, "Sampler temperature (the trainer scores with the same).")
     precision: Literal["fp32", "bf16"] = config_field("bf16", "Sampler weights/compute dtype.")
+    top_k: int = config_field(
+        0, "Sampler top-k after temperature: keep the k most likely tokens (ties kept), 0 = off. With top_k "
+        "or top_p on, the sampler returns its kept sets and every trainer pass scores over them "
+        "(sampling-mask replay); its logprobs are renormalised over the kept set, as vLLM's processed_logprobs.")
+    top_p: float = config_field(
+        1.0, "Sampler top-p (nucleus) after top-k: keep the most likely tokens until their probability "
+        "reaches top_p (the top token always kept), in (0, 1]; 1 = off.")
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        for name, low in (("digits", 1), ("base", 2), ("prompts_per_step", 1), ("group_size", 2), ("staleness", 0)):
+        for name, low in (("digits", 1), ("base", 2), ("prompts_per_step", 1), ("group_size", 2), ("staleness", 0),
+                          ("top_k", 0)):
             if getattr(self, name) < low:
                 raise ValueError(f"rollout.{name} must be >= {low}, got {getattr(self, name)}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p must be in (0, 1] (1 = off), got {self.top_p}")
         if not 0 < self.temperature < math.inf:
             raise ValueError(f"rollout.temperature must be finite and > 0, got {self.temperature}")
         if self.credit == "token" and self.reward != "per_position":

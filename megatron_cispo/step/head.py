@@ -50,17 +50,22 @@ def head_logprobs(mb: dict, output: Tensor, *, temperature: float, vocab_size: O
                   head_fp32: bool = False):
     """Token logprobs [b, s] fp32 (and entropy) of microbatch `mb` from the model's output: logits
     [b, s, v/tp], or with "head_weight" in mb the hidden states [b, s(/tp), h] for the fused head.
-    Untrained positions are masked, so pad ids are never range-checked or scored."""
+    Untrained positions are masked, so pad ids are never range-checked or scored. With "kept_set"
+    in mb (a KeptSet over its [b, s] positions) each position is scored over the sampler's kept set."""
     targets, mask = mb["targets"], mb["loss_mask"] != 0  # Megatron's loss masks are often float
+    keep = mb.get("kept_set")
     if "head_weight" in mb:
         from ..fused_head import fused_token_logprobs
 
+        b, s = targets.shape
+        if keep is not None and b > 1:  # the fused head's positions run [s, b]
+            keep = keep.take(torch.arange(b * s, device=targets.device).view(b, s).t())
         out = fused_token_logprobs(
             output.transpose(0, 1), mb["head_weight"], targets.t(), sequence_parallel=mb["head_sequence_parallel"],
             temperature=temperature, return_entropy=entropy, vocab_size=vocab_size, mask=mask.t(),
-            head_dtype=torch.float32 if head_fp32 else None)
+            head_dtype=torch.float32 if head_fp32 else None, keep=keep)
         return tuple(t.t() for t in out) if entropy else out.t()
     # The logits are dead once the loss is formed (nothing here or in the schedule reads them
     # again), so their buffer takes the gradient: at b=1 no second [s, v/tp] shard is allocated.
     return token_logprobs(output, targets, temperature=temperature, vocab_size=vocab_size,
-                          return_entropy=entropy, mask=mask, inplace_backward=True)
+                          return_entropy=entropy, mask=mask, inplace_backward=True, keep=keep)

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from ..config import check_field_types
+from ..kept_set import KeptSet, check_targets
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,9 +28,13 @@ class Rollouts:
     loss_mask: [n, s] bool (or a number dtype holding only 0 and 1), True on trained (response)
         targets; it carries the prompt/response boundary. advantages: [n] or [n, s] float.
     rollout_logprobs / old_logprobs / ref_logprobs: [n, s] fp32, per target token.
+    keep_ids [K] int, keep_offsets [n*s + 1] int: the sampler's kept vocabulary ids of each target
+        position (row-major over [n, s]), compressed rows as vLLM returns them (kept_set.KeptSet;
+        an empty position keeps the full vocabulary). Given, every pass scores over these sets
+        (sampling-mask replay). Both or neither; each trained target must be in its set.
     Every field lives on one device, the model's (policy_step checks). n = 0 builds (an empty
     shard), but policy_step refuses a batch with no rows with a ValueError.
-    Construction syncs with the host only to check a non-bool loss_mask and `lengths`.
+    Construction syncs with the host only to check a non-bool loss_mask, `lengths` and the kept sets.
     """
 
     tokens: Tensor
@@ -39,13 +44,16 @@ class Rollouts:
     old_logprobs: Optional[Tensor] = None
     ref_logprobs: Optional[Tensor] = None
     lengths: Optional[Tensor] = None
+    keep_ids: Optional[Tensor] = None
+    keep_offsets: Optional[Tensor] = None
 
     def __post_init__(self):
         if self.tokens.dim() != 2 or self.tokens.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"rollouts.tokens must be an int64 or int32 [n, s+1] tensor of token ids, got "
                              f"{self.tokens.dtype} {tuple(self.tokens.shape)}")
         n, s = self.tokens.shape[0], self.tokens.shape[1] - 1
-        for name in ("loss_mask", "advantages", "rollout_logprobs", "old_logprobs", "ref_logprobs", "lengths"):
+        for name in ("loss_mask", "advantages", "rollout_logprobs", "old_logprobs", "ref_logprobs", "lengths",
+                     "keep_ids", "keep_offsets"):
             t = getattr(self, name)
             if t is not None and t.device != self.tokens.device:
                 raise ValueError(f"rollouts.{name} is on {t.device} but rollouts.tokens on {self.tokens.device}; "
@@ -79,6 +87,25 @@ class Rollouts:
                 row = int((self.loss_mask.bool() & past.to(self.loss_mask.device)).any(1).nonzero()[0, 0])
                 raise ValueError(f"rollouts.loss_mask trains a target past the end of row {row} "
                                  f"(length {int(lengths[row])}): targets at or after lengths-1 are padding")
+        self._check_keep(n, s)
+
+    def _check_keep(self, n: int, s: int) -> None:
+        if (self.keep_ids is None) != (self.keep_offsets is None):
+            raise ValueError("rollouts.keep_ids and rollouts.keep_offsets come together (the kept sets in "
+                             "compressed rows); got only one of them")
+        if self.keep_ids is None:
+            return
+        if self.keep_offsets.shape != (n * s + 1,):
+            raise ValueError(f"rollouts.keep_offsets has shape {tuple(self.keep_offsets.shape)}; expected "
+                             f"[n*s + 1] = ({n * s + 1},), one kept set per target position")
+        try:
+            check_targets(KeptSet(self.keep_ids, self.keep_offsets), self.tokens[:, 1:], self.loss_mask != 0)
+        except ValueError as e:
+            raise ValueError(f"rollouts.{e}") from None
+
+    def kept(self) -> Optional[KeptSet]:
+        """The kept sets over the [n, s] target positions (sampling-mask replay), or None."""
+        return None if self.keep_ids is None else KeptSet.trusted(self.keep_ids, self.keep_offsets)
 
     def nonfinite_advantages(self) -> Tensor:
         """[n] or [n, s] bool, as advantages: non-finite advantages that would be trained (a row
@@ -108,16 +135,20 @@ class Rollouts:
             raise ValueError(f"global batch of {n} sequences does not split into {minibatches} "
                              f"minibatches over dp={dp}")
 
-        def take(t: Tensor) -> Tensor:
-            t = t.reshape(minibatches, dp, n // (dp * minibatches), *t.shape[1:])[:, dp_rank]
-            return t.reshape(-1, *t.shape[2:])
-        return Rollouts(**{k: take(v) for k, v in self.select(slice(None)).items()})
+        rows = torch.arange(n, device=self.tokens.device).view(minibatches, dp, n // (dp * minibatches))
+        return Rollouts(**self.select(rows[:, dp_rank].reshape(-1)))
 
     def select(self, idx) -> dict[str, Tensor]:
         """The given fields of rows `idx` (a slice or an index tensor), as Rollouts(**...) takes them."""
-        return {k: getattr(self, k)[idx] for k in ("tokens", "loss_mask", "advantages", "rollout_logprobs",
-                                                   "old_logprobs", "ref_logprobs", "lengths")
-                if getattr(self, k) is not None}
+        out = {k: getattr(self, k)[idx] for k in ("tokens", "loss_mask", "advantages", "rollout_logprobs",
+                                                  "old_logprobs", "ref_logprobs", "lengths")
+               if getattr(self, k) is not None}
+        if self.keep_ids is not None:  # the rows' positions' kept sets, in compressed rows again
+            n, s = self.tokens.shape[0], self.tokens.shape[1] - 1
+            rows = torch.arange(n, device=self.tokens.device)[idx]
+            part = self.kept().take(rows[:, None] * s + torch.arange(s, device=rows.device))
+            out["keep_ids"], out["keep_offsets"] = part.ids, part.offsets
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
