@@ -9,6 +9,7 @@ The public names, all importable from `megatron_cispo` (docs/architecture.md has
     LossConfig              config.py   the loss: section of an experiment, as frozen dataclasses
     token_logprobs          logprobs.py vocab-parallel token logprobs (and entropy) from sharded logits
     fused_token_logprobs    fused_head.py the same from hidden states and the output weight, no logits
+    KeptSet                 kept_set.py a sampler's kept token sets (vLLM's compressed rows), for keep=
     compute_policy_loss     losses/     one microbatch: (loss_sum, denominator, Metrics)
     PolicyLossOutput        losses/     what compute_policy_loss returns
     Metrics                 losses/     the one metric type: reducible sums, mins, maxs, totals
@@ -37,6 +38,7 @@ _EXPORTS = {
     "LossConfig": "megatron_cispo.config",
     "token_logprobs": "megatron_cispo.logprobs",
     "fused_token_logprobs": "megatron_cispo.fused_head",
+    "KeptSet": "megatron_cispo.kept_set",
     "compute_policy_loss": "megatron_cispo.losses",
     "PolicyLossOutput": "megatron_cispo.losses",
     "Metrics": "megatron_cispo.losses",
