@@ -84,7 +84,8 @@ def test_documented_yaml_run_passes_check_at_its_world_size(doc, cmd):
 
 
 @pytest.mark.parametrize("script", ["benchmarks/bench_head.py", "benchmarks/bench_logprobs.py",
-                                    "benchmarks/bench_packing.py", "benchmarks/bench_policy_step.py"])
+                                    "benchmarks/bench_packing.py", "benchmarks/bench_policy_step.py",
+                                    "benchmarks/bench_replay.py"])
 def test_documented_benchmark_runs_in_quick_mode(script):
     proc = subprocess.run([sys.executable, script, "--quick"], cwd=ROOT, env=env(), capture_output=True,
                           text=True, timeout=300)
