@@ -10,10 +10,9 @@ import pytest
 import torch
 
 from megatron_cispo.testing import spawn
-from test_packed_step import _assert_matches
+from test_packed_step import _assert_matches, worker
 
 N, S, V = 8, 15, 32
-BUDGET = 24
 LENGTHS = [16, 5, 9, 12, 3, 14, 7, 11]  # real tokens per row, odd on purpose (CP / SP padding)
 CASES = {
     # name: (loss overrides, StepConfig kwargs)
@@ -42,39 +41,14 @@ def make_batch():
     return tokens, lengths, loss_mask, torch.randn(N, generator=g), 0.25 * torch.randn(N, S, generator=g)
 
 
-def worker(layout: dict, packed: bool):
-    from megatron.core import parallel_state as mpu
-
-    from megatron_cispo.config import LossConfig, from_dict
-    from megatron_cispo.runner import distributed
-    from megatron_cispo.runner.model import ModelConfig, build_model, build_optimizer
-    from megatron_cispo.runner.weights import gather_full_state
-    from megatron_cispo.step import Rollouts, StepConfig, compute_logprobs, policy_step
-
-    tp, pp, cp = (layout.get(k, 1) for k in ("tp", "pp", "cp"))
-    distributed.init_distributed(tp=tp, pp=pp, cp=cp)
-    mcfg = ModelConfig(vocab_size=V, seq_length=S + 1, hidden_size=32, num_layers=2, num_attention_heads=4)
-    tokens, lengths, loss_mask, adv, noise = make_batch()
-    dp_rank, dp = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
-    out = {}
-    for name, (loss_over, step_kw) in CASES.items():
-        step_cfg = StepConfig(micro_batch_size=2, max_tokens_per_microbatch=BUDGET if packed else None, **step_kw)
-        chunks = build_model(mcfg, tp=tp, pp=pp, cp=cp, sequence_parallel=layout.get("sp", False), seed=3)
-        opt = build_optimizer(chunks, lr=0.1, optimizer="sgd", clip_grad=1e6)  # computes the norm, never clips
-        full = Rollouts(tokens=tokens, loss_mask=loss_mask, advantages=adv, lengths=lengths,
-                        rollout_logprobs=noise * loss_mask)
-        shard = full.dp_shard(dp_rank=dp_rank, dp=dp, minibatches=N // step_kw.get("minibatch_size", N))
-        stale = compute_logprobs(chunks, shard, step_cfg) + shard.rollout_logprobs
-        batch = Rollouts(tokens=shard.tokens, loss_mask=shard.loss_mask, advantages=shard.advantages,
-                         lengths=shard.lengths, rollout_logprobs=stale)
-        metrics = policy_step(chunks, opt, batch, from_dict(LossConfig, loss_over), step_cfg)
-        out[name] = {"metrics": metrics, "state": gather_full_state(chunks)}
-    return out
+def run(layout: dict, packed: bool):
+    world = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1) * layout.get("dp", 1)
+    return spawn(worker, world, (layout, packed, tuple(CASES), False, CASES, make_batch))
 
 
 @pytest.fixture(scope="module")
 def reference():
-    ref = spawn(worker, 1, ({}, False))[0]
+    ref = run({}, False)[0]
     for case, res in ref.items():
         m = res["metrics"]
         for key in DROPS:  # otherwise the comparison below proves nothing
@@ -89,5 +63,4 @@ def reference():
     ({"tp": 2, "sp": True}, True), ({"pp": 2}, False), ({"dp": 2}, True), ({"cp": 2}, True),
 ], ids=["tp2_sp_packed", "pp2_padded", "dp2_packed", "cp2_packed"])
 def test_corrections_on_every_layout_match_the_single_process_padded_step(reference, layout, packed):
-    world = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1) * layout.get("dp", 1)
-    _assert_matches(reference, spawn(worker, world, (layout, packed)), CASES)
+    _assert_matches(reference, run(layout, packed), CASES)

@@ -42,7 +42,9 @@ def make_batch():
     return tokens, lengths, loss_mask, torch.randn(N, generator=g), -0.3 * torch.rand(N, S, generator=g)
 
 
-def worker(layout: dict, packed: bool, cases=tuple(CASES), moe: bool = False):
+def worker(layout: dict, packed: bool, cases=tuple(CASES), moe: bool = False, table=None, batch_fn=None):
+    """Run each case of `table` (default CASES; name -> (loss overrides, StepConfig kwargs)) on the
+    global batch `batch_fn()` (default make_batch) and return each case's metrics and parameters."""
     from megatron.core import parallel_state as mpu
 
     from megatron_cispo.config import LossConfig, from_dict
@@ -57,11 +59,11 @@ def worker(layout: dict, packed: bool, cases=tuple(CASES), moe: bool = False):
     moe_kw = dict(num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.0) if moe else {}
     mcfg = ModelConfig(vocab_size=V, seq_length=S + 1, hidden_size=32, num_layers=2, num_attention_heads=4,
                        **moe_kw)
-    tokens, lengths, loss_mask, adv, noise = make_batch()
+    tokens, lengths, loss_mask, adv, noise = (batch_fn or make_batch)()
     dp_rank, dp = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
     out = {}
     for name in cases:
-        loss_over, step_kw = CASES[name]
+        loss_over, step_kw = (table or CASES)[name]
         step_cfg = StepConfig(micro_batch_size=2, max_tokens_per_microbatch=BUDGET if packed else None, **step_kw)
         chunks = build_model(mcfg, tp=tp, pp=pp, cp=cp, ep=ep, sequence_parallel=sp, seed=3)
         opt = build_optimizer(chunks, lr=0.1, optimizer="sgd", clip_grad=1e6)  # computes the norm, never clips
