@@ -11,20 +11,14 @@ LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)]
 B, S, V, MICRO = 8, 16, 64, 4
 
 
-def lm_step_worker(tp, pp):
-    """One cross-entropy training step through get_forward_backward_func; returns what to compare."""
+def lm_train_step(chunks, opt) -> tuple:
+    """One next-token cross-entropy step on the B x (S+1) random batch, this rank's DP share in
+    MICRO microbatches, through get_forward_backward_func: (lm [loss_sum, tokens] summed over
+    this rank's microbatches, or None off the last stage; grad norm)."""
     from megatron.core import parallel_state as mpu
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    from megatron_cispo.runner import distributed
-    from megatron_cispo.runner.model import ModelConfig, build_model, build_optimizer
-    from megatron_cispo.runner.weights import gather_full_state
-
-    distributed.init_distributed(tp=tp, pp=pp)
-    cfg = ModelConfig(vocab_size=V, seq_length=S, hidden_size=32, num_layers=4, num_attention_heads=4)
-    chunks = build_model(cfg, tp=tp, pp=pp, seed=7)
-    opt = build_optimizer(chunks, lr=0.5, optimizer="sgd", clip_grad=0.0)
     data = torch.randint(0, V, (B, S + 1), generator=torch.Generator().manual_seed(0))
     dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
     micro = list(data.chunk(dp)[dp_rank].chunk(MICRO // dp))
@@ -36,7 +30,7 @@ def lm_step_worker(tp, pp):
 
         def loss_func(out):
             loss = vocab_parallel_cross_entropy(out.float().clone(), labels)
-            n = torch.tensor(loss.numel(), dtype=torch.int)
+            n = torch.tensor(loss.numel(), dtype=torch.int)  # the microbatch's tokens (an MoE router's count)
             return loss.sum(), n, {"lm": torch.stack([loss.sum().detach(), n.float()])}
         return logits, loss_func
 
@@ -48,9 +42,23 @@ def lm_step_worker(tp, pp):
         num_microbatches=len(micro), seq_length=S, micro_batch_size=micro[0].shape[0],
         forward_only=False)
     _, grad_norm, _ = opt.step()
-    state = gather_full_state(chunks)
-    lm = torch.stack([r["lm"] for r in reports]).sum(0) if reports else None
-    return {"lm": lm, "grad_norm": grad_norm, "state": state,
+    return (torch.stack([r["lm"] for r in reports]).sum(0) if reports else None), grad_norm
+
+
+def lm_step_worker(tp, pp):
+    """One cross-entropy training step through get_forward_backward_func; returns what to compare."""
+    from megatron.core import parallel_state as mpu
+
+    from megatron_cispo.runner import distributed
+    from megatron_cispo.runner.model import ModelConfig, build_model, build_optimizer
+    from megatron_cispo.runner.weights import gather_full_state
+
+    distributed.init_distributed(tp=tp, pp=pp)
+    cfg = ModelConfig(vocab_size=V, seq_length=S, hidden_size=32, num_layers=4, num_attention_heads=4)
+    chunks = build_model(cfg, tp=tp, pp=pp, seed=7)
+    opt = build_optimizer(chunks, lr=0.5, optimizer="sgd", clip_grad=0.0)
+    lm, grad_norm = lm_train_step(chunks, opt)
+    return {"lm": lm, "grad_norm": grad_norm, "state": gather_full_state(chunks),
             "last_stage": mpu.is_pipeline_last_stage()}
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from megatron_cispo.testing import spawn
+from test_foundation import S, V, lm_train_step  # the dense layouts' batch and step
 
-B, S, V, MICRO = 8, 16, 64, 4
 EXPERTS, TOPK = 4, 2
 ROUTER_SCALE = 50.0  # router std 0.02 -> 1: top-k decisions far from ties (checked: MIN_ROUTER_GAP)
 MIN_ROUTER_GAP = 1e-3  # logit gap between the k-th and (k+1)-th expert; layouts differ by ~1e-6
@@ -50,10 +50,6 @@ def _watch_router_gaps(chunks, gaps: list):
 
 def _one_step(moe: bool, *, tp: int, ep: int, sp: bool) -> dict:
     """Build, scale the routers, run one 1F1B step with a plain cross-entropy loss, SGD-step."""
-    from megatron.core import parallel_state as mpu
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
     from megatron_cispo.runner.model import build_model, build_optimizer
     from megatron_cispo.runner.weights import gather_full_state
 
@@ -67,29 +63,8 @@ def _one_step(moe: bool, *, tp: int, ep: int, sp: bool) -> dict:
     gaps: list[float] = []
     _watch_router_gaps(chunks, gaps)
     opt = build_optimizer(chunks, lr=0.5, optimizer="sgd", clip_grad=0.0)
-    data = torch.randint(0, V, (B, S + 1), generator=torch.Generator().manual_seed(0))
-    dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
-    micro = list(data.chunk(dp)[dp_rank].chunk(MICRO // dp))
-
-    def forward_step(it, model):
-        mb = next(it)
-        tokens, labels = mb[:, :-1], mb[:, 1:]
-        logits = model(tokens, torch.arange(S).expand_as(tokens), None)  # [b, s, v/tp]
-
-        def loss_func(out):
-            loss = vocab_parallel_cross_entropy(out.float().clone(), labels)
-            n = torch.tensor(loss.numel(), dtype=torch.int)  # the microbatch's tokens (router's count)
-            return loss.sum(), n, {"lm": torch.stack([loss.sum().detach(), n.float()])}
-        return logits, loss_func
-
-    opt.zero_grad()
-    for c in chunks:
-        c.zero_grad_buffer()
-    reports = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(micro), model=chunks[0],
-        num_microbatches=len(micro), seq_length=S, micro_batch_size=micro[0].shape[0], forward_only=False)
-    _, grad_norm, _ = opt.step()
-    return {"lm": torch.stack([r["lm"] for r in reports]).sum(0), "grad_norm": grad_norm,
+    lm, grad_norm = lm_train_step(chunks, opt)
+    return {"lm": lm, "grad_norm": grad_norm,
             "initial": initial, "state": gather_full_state(chunks), "min_gap": min(gaps, default=None)}
 
 
