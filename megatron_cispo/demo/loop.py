@@ -144,11 +144,12 @@ def run(cfg: ExperimentConfig) -> None:
                 dist.barrier()  # the other ranks exit only after rank 0 has said why
                 raise NonFiniteStop(message)
             stop = preempt.agreed(env.device)  # SIGTERM on any rank: all stop after this step
+            saved = None
             if stop or cfg.run.checkpoint_interval and (step + 1) % cfg.run.checkpoint_interval == 0:
-                checkpoint.save(cfg.run.run_dir, step + 1, chunks=chunks, optimizer=optimizer,
-                                shared={"sampler": sampler}, keep=cfg.run.checkpoint_keep)
+                saved = checkpoint.save(cfg.run.run_dir, step + 1, chunks=chunks, optimizer=optimizer,
+                                        shared={"sampler": sampler}, keep=cfg.run.checkpoint_keep)
             if stop:
-                message = preempt.stop_message(cfg.label, step + 1, checkpoint.last_complete(cfg.run.run_dir))
+                message = preempt.stop_message(cfg.label, step + 1, saved)
                 if writer is not None:
                     writer.close()
                     print(message, file=sys.stderr, flush=True)
