@@ -190,9 +190,20 @@ def parse_override_value(text: str, path: str = "") -> Any:
         problem, quoted = getattr(e, "problem", None) or str(e).splitlines()[0], f'"{text}"'
         raise ConfigError(f"{path or '<value>'}: {text!r} is not a valid YAML value ({problem}); "
                           f"to pass it as a string, quote it: {quoted!r}") from None
+    if _has_comment(text):  # ` #...` starts a YAML comment, which safe_load dropped
+        if value is None or isinstance(value, str):
+            return text.strip()  # a path or name such as `runs/exp #1`: the whole text, never a prefix of it
+        raise ConfigError(f"{path or '<value>'}: {text!r} holds ' #', which YAML reads as the start of a comment, "
+                          f"leaving {value!r}; remove the comment, or quote the value to pass it as a string")
     if isinstance(value, str) and _SCI_FLOAT.match(value):
         return float(value)
     return value
+
+
+def _has_comment(text: str) -> bool:
+    """Whether `text` (valid YAML) holds a comment: a '#' outside every token the scanner returned."""
+    tokens = [(t.start_mark.index, t.end_mark.index) for t in yaml.scan(text)]
+    return any(not any(a <= i < b for a, b in tokens) for i, c in enumerate(text) if c == "#")
 
 
 def _schema_child(schema: Any, key: str, path: str) -> Any:
