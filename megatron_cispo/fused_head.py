@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .kept_set import KeptSet, Replay, plan_replay
-from .vocab_softmax import (DTYPES, IGNORE_INDEX, Plan, chunk_grad, chunk_stats, empty_stats, grad_rows,
-                            plan_targets, reduce_stats, resolve_group, row_chunks, workspace)
+from .vocab_softmax import (DTYPES, IGNORE_INDEX, Plan, check_devices, chunk_grad, chunk_stats, empty_stats,
+                            grad_rows, plan_targets, reduce_stats, resolve_group, row_chunks, workspace)
 
 # Newer torch renames the tensor collectives (the old names warn); older torch has only the old.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -200,6 +200,7 @@ def fused_token_logprobs(
         if tensor.dtype not in DTYPES or tensor.dim() != dim:
             raise ValueError(f"{name}: expected a {dim}-d fp32/bf16/fp16 tensor, found {tensor.dtype} "
                              f"of shape {tuple(tensor.shape)}")
+    check_devices({"hidden": hidden, "targets": targets, "mask": mask})
     if weight.shape[1] != hidden.shape[-1] or weight.device != hidden.device:
         raise ValueError(f"weight: expected [v_local, {hidden.shape[-1]}] on {hidden.device} (hidden's "
                          f"h and device), found {tuple(weight.shape)} on {weight.device}")

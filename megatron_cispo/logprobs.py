@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .kept_set import KeptSet, Replay, plan_replay
-from .vocab_softmax import (DTYPES, IGNORE_INDEX, Plan, chunk_grad, chunk_stats, empty_stats,
+from .vocab_softmax import (DTYPES, IGNORE_INDEX, Plan, check_devices, chunk_grad, chunk_stats, empty_stats,
                             grad_rows, plan_targets, reduce_stats, row_chunks, workspace)
 
 def _local_stats(x2: Tensor, plan: Plan):
@@ -198,6 +198,7 @@ def token_logprobs(
     if targets.shape != x.shape[:-1] or targets.dtype.is_floating_point or targets.dtype == torch.bool:
         raise ValueError(f"targets: expected integer ids of shape {tuple(x.shape[:-1])} (logits' "
                          f"leading shape), found {targets.dtype} of shape {tuple(targets.shape)}")
+    check_devices({"vocab_parallel_logits": x, "targets": targets, "mask": mask})
     targets = targets.long()  # uint8/int16/int32 ids index like int64 ones (gather takes int64)
     if inplace_backward not in (True, False, "auto"):
         raise ValueError(f"inplace_backward: expected True, False or 'auto', found {inplace_backward!r}")

@@ -34,6 +34,24 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _workspaces: dict[torch.device, Tensor] = {}
 
 
+def check_devices(tensors: dict, hint: str = "put every tensor on one device", *, values: bool = True) -> None:
+    """Every non-None tensor of `tensors` ({name: tensor}) is on the first one's device, and with
+    `values` (the caller reads them) that device holds values: a meta tensor (shapes only) would
+    fail inside the first value check with torch's `Tensor.item() cannot be called on meta
+    tensors`. ValueError naming the field."""
+    ref, device = None, None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if ref is None:
+            ref, device = name, t.device
+            if values and device.type == "meta":
+                raise ValueError(f"{name} is on the meta device (shapes, no values); build it with its values "
+                                 "on the model's device (e.g. module.to_empty(device=...) then load the weights)")
+        elif t.device != device:
+            raise ValueError(f"{name} is on {t.device} but {ref} on {device}; {hint}")
+
+
 def workspace(numel: int, device: torch.device) -> Tensor:
     """A reusable 1-D fp32 buffer of at least `numel` elements (grown, never shrunk)."""
     buf = _workspaces.get(device)

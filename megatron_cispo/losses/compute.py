@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ..config import LossConfig
+from ..vocab_softmax import check_devices
 from .aggregate import aggregate, finalize
 from .common import LossInputs, SeqSum, kl_estimate, kl_penalty, row_sum, tis_weights
 from .corrections import correction_keep, corrections_on, mismatch_sequence_metrics
@@ -38,7 +39,9 @@ class PolicyLossOutput:
     metrics: Metrics
 
 
-def _check_shapes(logprobs: Tensor, advantages: Tensor, others: dict[str, Optional[Tensor]]) -> None:
+def _check_inputs(logprobs: Tensor, advantages: Tensor, others: dict[str, Optional[Tensor]]) -> None:
+    """Shapes, dtypes and devices of the loss inputs; one host sync, only for a non-bool loss_mask
+    (the policy step's are bool). Meta tensors pass: nothing else here reads a value."""
     if logprobs.dim() != 2 or not logprobs.is_floating_point():
         raise ValueError(f"logprobs must be a floating [b, s] tensor, got {logprobs.dtype} of shape "
                          f"{tuple(logprobs.shape)}")
@@ -49,6 +52,15 @@ def _check_shapes(logprobs: Tensor, advantages: Tensor, others: dict[str, Option
     for name, t in others.items():
         if t is not None and tuple(t.shape) != shape:
             raise ValueError(f"{name} shape {tuple(t.shape)} does not match logprobs shape {shape}")
+    for name, t in {"advantages": advantages, **others}.items():
+        if t is not None and name not in ("loss_mask", "keep") and not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating tensor (fp32), got {t.dtype}")
+    check_devices({"logprobs": logprobs, "advantages": advantages, **others}, values=False)
+    m = others["loss_mask"]
+    # A NaN entry is != 0, and a 0.5 one would count its token as fully trained.
+    if m.dtype != torch.bool and m.device.type != "meta" and bool(((m != 0) & (m != 1)).any()):  # host sync
+        raise ValueError(f"loss_mask must be bool or hold only 0 and 1, got a {m.dtype} mask with other values; "
+                         "a fractional weight would count its token as fully trained")
 
 
 def _zero_invalid(t: Tensor, mask: Tensor) -> Tensor:
@@ -100,7 +112,7 @@ def per_token_policy_loss(
     spec = check_loss_config(cfg)  # cached: the registry rules run once per config
     given = {"old_logprobs": old_logprobs, "rollout_logprobs": rollout_logprobs,
              "ref_logprobs": ref_logprobs, "entropy": entropy}
-    _check_shapes(logprobs, advantages, {"loss_mask": loss_mask, "keep": keep, **given})
+    _check_inputs(logprobs, advantages, {"loss_mask": loss_mask, "keep": keep, **given})
     needed = input_reasons(cfg)
     for name in needed:
         if given[name] is None:

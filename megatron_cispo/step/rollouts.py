@@ -8,7 +8,7 @@ Sequences may differ in length (`lengths`); the step packs them under a token bu
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal, Optional
 
 import torch
@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ..config import check_field_types
 from ..kept_set import KeptSet, check_targets
+from ..vocab_softmax import check_devices
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,12 +53,8 @@ class Rollouts:
             raise ValueError(f"rollouts.tokens must be an int64 or int32 [n, s+1] tensor of token ids, got "
                              f"{self.tokens.dtype} {tuple(self.tokens.shape)}")
         n, s = self.tokens.shape[0], self.tokens.shape[1] - 1
-        for name in ("loss_mask", "advantages", "rollout_logprobs", "old_logprobs", "ref_logprobs", "lengths",
-                     "keep_ids", "keep_offsets"):
-            t = getattr(self, name)
-            if t is not None and t.device != self.tokens.device:
-                raise ValueError(f"rollouts.{name} is on {t.device} but rollouts.tokens on {self.tokens.device}; "
-                                 "put every field on one device (the model's)")
+        check_devices({f"rollouts.{f.name}": getattr(self, f.name) for f in fields(self)},
+                      "put every field on one device (the model's)")
         for name in ("loss_mask", "rollout_logprobs", "old_logprobs", "ref_logprobs"):
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != (n, s):

@@ -159,3 +159,70 @@ def test_narrow_integer_targets_score_like_int64_ones(dtype):
     logits = torch.randn(4, 7, requires_grad=True)
     ids = torch.tensor([0, 6, 3, 5])
     torch.testing.assert_close(token_logprobs(logits, ids.to(dtype)), token_logprobs(logits, ids), rtol=0, atol=0)
+
+
+def _loss_inputs(**over):
+    from megatron_cispo.losses import compute_policy_loss
+
+    given = dict(advantages=torch.ones(2), loss_mask=torch.ones(2, 3, dtype=torch.bool),
+                 old_logprobs=torch.zeros(2, 3), rollout_logprobs=torch.zeros(2, 3))
+    return compute_policy_loss(LossConfig(), torch.zeros(2, 3, requires_grad=True), **{**given, **over})
+
+
+@pytest.mark.parametrize("over,message", [
+    # an int64 pi_old used to be upcast and trained on as if it were a logprob
+    ({"old_logprobs": torch.zeros(2, 3, dtype=torch.int64)}, "old_logprobs must be a floating tensor (fp32), "
+                                                             "got torch.int64"),
+    ({"rollout_logprobs": torch.zeros(2, 3, dtype=torch.int64)}, "rollout_logprobs must be a floating tensor"),
+    ({"ref_logprobs": torch.zeros(2, 3, dtype=torch.int32)}, "ref_logprobs must be a floating tensor"),
+    ({"advantages": torch.ones(2, dtype=torch.int64)}, "advantages must be a floating tensor (fp32), got torch.int64"),
+    # a NaN mask entry is != 0, so the token used to count as trained
+    ({"loss_mask": torch.tensor([[1.0, 0.0, math.nan], [1.0, 1.0, 1.0]])},
+     "loss_mask must be bool or hold only 0 and 1, got a torch.float32 mask with other values"),
+    ({"loss_mask": torch.full((2, 3), 0.5)}, "loss_mask must be bool or hold only 0 and 1"),
+    ({"old_logprobs": torch.zeros(2, 3, device="meta")},
+     "old_logprobs is on meta but logprobs on cpu; put every tensor on one device"),
+])
+def test_the_policy_loss_refuses_inputs_that_would_train_on_garbage(over, message):
+    with pytest.raises(ValueError) as info:
+        _loss_inputs(**over)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_the_policy_loss_accepts_a_0_1_float_mask_and_runs_on_meta_tensors_for_shapes():
+    assert float(_loss_inputs(loss_mask=torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]])).denominator) == 4
+    from megatron_cispo.losses import compute_policy_loss
+
+    lp = torch.zeros(2, 3, device="meta")  # shape tracing: nothing reads the values, nothing is refused
+    out = compute_policy_loss(LossConfig(), lp, advantages=torch.ones(2, device="meta"),
+                              loss_mask=torch.ones(2, 3, device="meta"), old_logprobs=lp)
+    assert out.loss.device.type == "meta"
+
+
+def test_rollouts_on_the_meta_device_are_refused_naming_the_field():
+    meta = dict(device="meta")
+    for over in ({}, {"lengths": torch.full((2,), 4, **meta)}):
+        with pytest.raises(ValueError) as info:
+            Rollouts(tokens=torch.zeros(2, 4, dtype=torch.int64, **meta), loss_mask=torch.ones(2, 3, **meta),
+                     advantages=torch.ones(2, **meta), **over)
+        assert str(info.value).startswith("rollouts.tokens is on the meta device (shapes, no values)"), info.value
+
+
+@pytest.mark.parametrize("op", ["token_logprobs", "fused_token_logprobs"])
+def test_the_logprob_ops_refuse_meta_tensors_and_float_masks_naming_the_argument(op):
+    from megatron_cispo.fused_head import fused_token_logprobs
+
+    def call(device="cpu", mask=None, targets_device=None):
+        ids = torch.zeros(3, 2, dtype=torch.int64, device=targets_device or device)
+        if op == "token_logprobs":
+            return token_logprobs(torch.zeros(3, 2, 5, device=device), ids, mask=mask)
+        return fused_token_logprobs(torch.zeros(3, 2, 4, device=device), torch.zeros(5, 4, device=device), ids,
+                                    mask=mask)
+    first = "vocab_parallel_logits" if op == "token_logprobs" else "hidden"
+    cases = [(dict(device="meta"), f"{first} is on the meta device (shapes, no values)"),
+             (dict(targets_device="meta"), "targets is on meta but"),
+             (dict(mask=torch.tensor([[1.0, math.nan]] * 3)), "mask: expected bool of shape (3, 2), found torch.float32")]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError) as info:
+            call(**kwargs)
+        assert message in str(info.value) and "\n" not in str(info.value), info.value
