@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
+from .presets import expand_preset
 from .schema import (ConfigError, apply_overrides, check_field_types, config_field, describe_fields, from_dict,
                      parse_override_value, to_dict, type_name)
 
@@ -48,7 +49,7 @@ def _check_cispo_clip(c: CispoConfig) -> None:
 class CispoConfig:
     """The weight clamp is [low, high] = bounds(): clip_min if set, else max(0, 1 - eps_low); clip_max if
     set, else 1 + eps_high. An absolute bound replaces its offset; the offset is then ignored.
-    Other frameworks' flags map onto these keys through losses/presets.py (docs/mapping.md)."""
+    Other frameworks' flags map onto these keys through presets.py (docs/mapping.md)."""
 
     eps_low: float = config_field(
         1.0, "Weight floor offset: floor = max(0, 1-eps_low); any value >= 1 means no floor (verl writes 10).")
@@ -164,8 +165,7 @@ class CorrectionConfig:
 
 
 def _expand_preset(spec: Any, rest: dict, path: str) -> dict:
-    from .losses.presets import expand_preset  # lazy: the losses package imports this module
-    return expand_preset(spec, rest, path)
+    return expand_preset(spec, rest, path, schema=LossConfig)  # presets sit below config: pass the class
 
 
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]

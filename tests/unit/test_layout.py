@@ -1,5 +1,9 @@
 """The package layout is the data flow: library <- runner <- demo <- train.py, and no arrow back up.
 
+Inside the library the parts have an order too (ORDER: schema <- presets <- config <- losses <-
+step <- integrations, the logprob ops beside them), so two library modules cannot import each
+other, not even lazily inside a function, as config.py and losses/presets.py once did.
+
 Every module's imports are parsed with `ast` (module level and inside functions alike), resolved
 to a megatron_cispo module and checked against the floor rule; `import megatron_cispo` must not
 load megatron-core or touch torch.cuda, and its public names are exactly the documented ones.
@@ -16,8 +20,11 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[2] / "megatron_cispo"
-LIBRARY = {"__init__", "config", "schema", "logprobs", "vocab_softmax", "kept_set", "fused_head", "losses", "step",
-           "integrations"}
+# order inside the library: a part imports only parts of a lower order (or itself), so no two parts
+# can import each other; parts of one order are independent of each other
+ORDER = {"schema": 0, "vocab_softmax": 0, "presets": 1, "kept_set": 1, "config": 2, "logprobs": 2, "fused_head": 2,
+         "losses": 3, "step": 4, "integrations": 5, "__init__": 6}
+LIBRARY = set(ORDER)
 # floor of each top-level part; a module may import only from its own floor or below
 FLOOR = {**{name: 0 for name in LIBRARY}, "runner": 1, "demo": 2, "train": 3, "testing": 3}
 NAMES = {0: "library", 1: "runner", 2: "demo", 3: "train/testing"}
@@ -64,9 +71,12 @@ def violations(root: Path = PKG) -> list[str]:
             dst = _part(target)
             if dst not in FLOOR:
                 continue  # a plain attribute import from the package root, e.g. __version__
+            where = f"{path.relative_to(root.parent)}:{line}: {src}"
             if FLOOR[dst] > FLOOR[src] or (FLOOR[src] == 3 and dst != src and FLOOR[dst] == 3):
-                out.append(f"{path.relative_to(root.parent)}:{line}: {src} ({NAMES[FLOOR[src]]}) imports "
-                           f"{target} ({NAMES[FLOOR[dst]]})")
+                out.append(f"{where} ({NAMES[FLOOR[src]]}) imports {target} ({NAMES[FLOOR[dst]]})")
+            elif FLOOR[src] == FLOOR[dst] == 0 and dst != src and ORDER[dst] >= ORDER[src]:
+                out.append(f"{where} (library order {ORDER[src]}) imports {target} (order {ORDER[dst]}); "
+                           f"see ORDER")
     return out
 
 
@@ -87,6 +97,12 @@ def test_imports_run_one_way_library_runner_demo_train():
     ("runner/model.py", "from ..demo import task"),                   # runner -> demo
     ("demo/loop.py", "from .. import train"),                         # demo -> train
     ("config.py", "    from .runner.cpu_compat import CpuCompat"),   # inside a function, too
+    # inside the library: the order
+    ("config.py", "    from .losses.presets import expand_preset"),  # the old config <-> presets circle
+    ("presets.py", "from .config import LossConfig"),                # presets sit below config
+    ("losses/cispo.py", "from ..step import policy_step"),           # losses -> step
+    ("logprobs.py", "from .fused_head import fused_token_logprobs"), # one order: independent
+    ("schema.py", "import megatron_cispo"),                          # the package root re-exports all
 ])
 def test_a_planted_upward_import_is_reported(tmp_path, where, line):
     root = tmp_path / "megatron_cispo"

@@ -1,4 +1,4 @@
-"""Framework presets (losses/presets.py) against transcriptions of each framework's own code.
+"""Framework presets (megatron_cispo/presets.py) against transcriptions of each framework's own code.
 
 Each `their_*` function re-implements, line for line, the few lines of that framework's CISPO clamp
 (and truncated IS) as its source writes them, cited by repo/file/function@commit. The preset's
@@ -16,7 +16,7 @@ import torch
 
 from megatron_cispo.config import ConfigError, LossConfig, apply_overrides, from_dict, to_dict
 from megatron_cispo.losses import per_token_policy_loss
-from megatron_cispo.losses.presets import PRESETS, from_framework
+from megatron_cispo.presets import PRESETS, from_framework
 
 GUARD = 20.0  # our LOG_RATIO_CLAMP; past it a weight may differ from an unguarded peer by < exp(-20)
 GUARDED = {"skyrl", "verl"}  # clamp every log-ratio to +-20 as we do: equal bit for bit everywhere
@@ -376,6 +376,12 @@ def test_from_framework_equals_the_yaml_key_and_overrides_reach_the_preset():
     assert from_dict(LossConfig, data).cispo.bounds() == (0.0, 5.0)
     with pytest.raises(ConfigError, match=r"^presett: unknown key; known keys: policy_loss, .*, correction, preset$"):
         apply_overrides({}, ["presett.framework=trl"], schema=LossConfig)
+
+
+def test_the_old_import_path_losses_presets_still_gives_from_framework():
+    from megatron_cispo.losses import presets as old
+    from megatron_cispo import presets
+    assert old.from_framework is presets.from_framework and old.PRESETS is presets.PRESETS
 
 
 def test_mapping_doc_names_every_preset_in_its_clip_convention_table():
