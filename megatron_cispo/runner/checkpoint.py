@@ -183,13 +183,14 @@ def resume_point(run_dir: str | os.PathLike) -> Path | None:
     """Collective (or single-process): the newest checkpoint that passes `checkpoint_files.verify`.
 
     Rank 0 checks from the highest step down and prints one warning line per unusable checkpoint
-    (the file and why) before falling back to the previous one; its choice is broadcast. None when
-    there is no complete checkpoint; ConfigError on every rank, naming each one, when none is intact.
+    (the file and why; a step directory without COMPLETE is one) before falling back to the previous
+    one; its choice is broadcast. None when there is no step directory; ConfigError on every rank,
+    naming each one, when none is intact.
     """
     decision: list = [None, None]
     if _rank() == 0:
         problems = []
-        for path in reversed(files_.complete(run_dir)):
+        for path in reversed(files_.step_dirs(run_dir)):
             why = files_.verify(path)
             if why is None:
                 decision[0] = str(path)

@@ -41,10 +41,14 @@ def step_of(path: Path) -> int | None:
     return int(m[1]) if m else None
 
 
+def step_dirs(run_dir: str | os.PathLike) -> list[Path]:
+    """Every `step_<int>` directory, with or without a COMPLETE marker, oldest step first."""
+    return sorted((p for p in root(run_dir).glob("step_*") if step_of(p) is not None and p.is_dir()), key=step_of)
+
+
 def complete(run_dir: str | os.PathLike) -> list[Path]:
     """Checkpoint directories that have a COMPLETE marker (not verified), oldest step first."""
-    found = [p for p in root(run_dir).glob("step_*") if step_of(p) is not None and (p / MARKER).is_file()]
-    return sorted(found, key=step_of)
+    return [p for p in step_dirs(run_dir) if (p / MARKER).is_file()]
 
 
 def fsync_path(path: Path) -> None:
@@ -103,6 +107,8 @@ def verify(directory: Path) -> str | None:
     from torch.distributed.checkpoint import FileSystemReader
 
     path = directory / MARKER
+    if not path.is_file():  # save() renames a directory into place only after writing it: damaged since
+        return f"{path}: missing"
     try:
         info = read_marker(directory)
         path = directory / "metadata.json"

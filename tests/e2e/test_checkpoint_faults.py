@@ -47,6 +47,9 @@ def _corrupt(step_dir, case):
     elif case == "missing_model_shard":  # e.g. a rank that wrote to another run_dir
         path = step_dir / "__1_0.distcp"
         path.unlink()
+    elif case == "deleted_COMPLETE":  # by hand: save() renames a step directory into place only after COMPLETE
+        path = step_dir / "COMPLETE"
+        path.unlink()
     elif case == "empty_COMPLETE":
         path = step_dir / "COMPLETE"
         path.write_text("")
@@ -57,7 +60,7 @@ def _corrupt(step_dir, case):
 
 
 @pytest.mark.parametrize("case", ["truncated_model_shard", "missing_model_shard", "empty_COMPLETE",
-                                  "garbage_sampler"])
+                                  "deleted_COMPLETE", "garbage_sampler"])
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one_with_a_warning(reference, tmp_path,
                                                                                    capsys, case):
     ckpts = _copy(reference, tmp_path)
@@ -80,13 +83,16 @@ def test_resume_refuses_in_one_line_when_no_checkpoint_is_intact(reference, tmp_
     assert len(capsys.readouterr().err.strip().splitlines()) == 2  # one warning per checkpoint tried
 
 
-def test_unfinished_saves_are_ignored_and_no_checkpoint_means_a_fresh_start(reference, tmp_path):
+def test_unfinished_saves_are_ignored_and_no_checkpoint_means_a_fresh_start(reference, tmp_path, capsys):
     ckpts = tmp_path / "checkpoints"
-    # A save killed before its rename (a hidden .tmp directory), and a step directory without COMPLETE.
+    # A save killed before its rename (a hidden .tmp directory) is no checkpoint, and no warning.
     shutil.copytree(reference / "checkpoints" / "step_000004", ckpts / ".step_000006.tmp")
+    assert checkpoint.resume_point(tmp_path) is None and capsys.readouterr().err == ""
+    # A step directory without COMPLETE was damaged after its save: unusable, never silently skipped.
     shutil.copytree(reference / "checkpoints" / "step_000004", ckpts / "step_000008")
     (ckpts / "step_000008" / "COMPLETE").unlink()
-    assert checkpoint.resume_point(tmp_path) is None
+    with pytest.raises(ConfigError, match="no intact checkpoint.*step_000008/COMPLETE: missing"):
+        checkpoint.resume_point(tmp_path)
     shutil.copytree(reference / "checkpoints" / "step_000002", ckpts / "step_000002")
     assert checkpoint.resume_point(tmp_path) == ckpts / "step_000002"
 
