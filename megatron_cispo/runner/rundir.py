@@ -52,8 +52,12 @@ def run_contents(path: Path) -> list[Path]:
 
 
 def _lock(path: Path) -> int:
-    path.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:  # read-only filesystem, no permission, a file in the way
+        raise ConfigError(f"run.run_dir={path} is not writable: cannot create {e.filename or path / LOCK} "
+                          f"({e.strerror or e}); choose a writable run.run_dir") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -77,6 +81,20 @@ def _move_aside(path: Path, contents: list[Path]) -> Path:
     return dest
 
 
+def check_run_dir(run_dir: str | os.PathLike, *, resume: bool, overwrite: bool) -> list[Path]:
+    """The earlier run's files in `run_dir` (run_contents); the ConfigError claim_run_dir raises when a
+    fresh run (resume=False, overwrite=False) would mix into them. Locks, moves and creates nothing,
+    so `train --check` and the launch scripts' preflight can say it before any rank starts."""
+    path = Path(run_dir)
+    contents = run_contents(path)
+    if contents and not (overwrite or resume):
+        names = ", ".join(p.name for p in contents[:4]) + (", ..." if len(contents) > 4 else "")
+        raise ConfigError(f"run.run_dir={path} already holds a run ({names}); set run.resume=true to continue "
+                          f"it, run.overwrite=true to move it aside to {path}/{PREVIOUS}<time>/, or choose "
+                          "another run.run_dir")
+    return contents
+
+
 def claim_run_dir(run_dir: str | os.PathLike, *, resume: bool, overwrite: bool,
                   has_checkpoint=lambda path: False) -> OwnedRunDir:
     """Lock `run_dir` for this job and make sure an earlier run's files cannot be mixed into it.
@@ -89,14 +107,9 @@ def claim_run_dir(run_dir: str | os.PathLike, *, resume: bool, overwrite: bool,
     path = Path(run_dir)
     owned = OwnedRunDir(path, _lock(path))
     try:
-        contents = run_contents(path)
+        contents = check_run_dir(path, resume=resume, overwrite=overwrite)
         if contents and resume and has_checkpoint(path):
             return owned
-        if contents and not (overwrite or resume):
-            names = ", ".join(p.name for p in contents[:4]) + (", ..." if len(contents) > 4 else "")
-            raise ConfigError(f"run.run_dir={path} already holds a run ({names}); set run.resume=true to continue "
-                              f"it, run.overwrite=true to move it aside to {path}/{PREVIOUS}<time>/, or choose "
-                              "another run.run_dir")
         if contents:
             owned.moved_to = _move_aside(path, contents)
         return owned

@@ -81,3 +81,32 @@ def test_a_second_job_fails_at_once_naming_the_holder_and_succeeds_once_it_is_ki
         holder.wait()
     with claim_run_dir(tmp_path, resume=False, overwrite=False) as owned:
         assert owned.moved_to is None
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory this process cannot write: chmod 555, or for root (whom chmod does not stop) a
+    read-only tmpfs mounted there."""
+    path = tmp_path / "ro"
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        yield path
+        path.chmod(0o755)
+        return
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)]).returncode != 0:
+        pytest.skip("root without permission to mount: chmod does not stop root and no read-only mount is possible")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+@pytest.mark.parametrize("sub", ["", "run"])
+def test_a_read_only_run_dir_is_refused_in_one_line(read_only_dir, sub):
+    path = read_only_dir / sub if sub else read_only_dir
+    with pytest.raises(ConfigError) as e:
+        claim_run_dir(path, resume=False, overwrite=False)
+    message = str(e.value)
+    assert message.startswith(f"run.run_dir={path} is not writable: cannot create ") and "\n" not in message
+    assert "choose a writable run.run_dir" in message and ("Read-only" in message or "Permission" in message)
