@@ -139,8 +139,8 @@ def _check_band(section: object, name: str) -> None:
 class CorrectionConfig:
     """Off-policy corrections, each off (null) by default and composable with any loss. Under the
     old anchor they act on rho = pi_old / pi_rollout (and need pi_old, as TIS does); under the
-    rollout anchor on r = pi_theta / pi_rollout, detached. Dropped tokens and sequences stay in
-    the denominator. Formulas and sources: docs/algorithm.md."""
+    rollout anchor on r = pi_theta / pi_rollout, detached; OPSM on its opsm_ref under either anchor.
+    Dropped tokens and sequences stay in the denominator. Formulas and sources: docs/algorithm.md."""
 
     mis: Optional[tuple[float, float]] = config_field(
         None, "Token masked IS (IcePop): keep a token only if lo <= ratio <= hi.")
@@ -148,14 +148,18 @@ class CorrectionConfig:
         None, "Geometric-mean sequence rejection: drop a sequence if exp(mean_t log ratio_t) is outside [lo, hi].")
     opsm: Optional[float] = config_field(
         None, "Off-policy sequence masking (DeepSeek-V3.2), delta: drop a sequence whose advantage is < 0 and "
-        "whose mean_t log(pi_rollout / pi_theta) is > delta.")
+        "whose mean_t log(pi_ref / pi_theta) is > delta, pi_ref as opsm_ref says.")
+    opsm_ref: Literal["rollout", "old"] = config_field(
+        "rollout", "OPSM's reference: 'rollout' = the sampler's logprobs (DeepSeek-V3.2, TRL, ms-swift); 'old' = "
+        "pi_old, as slime without --use-rollout-logprobs (needs old_logprobs; with one optimizer step pi_old is "
+        "the training forward, so the mean is 0 and OPSM drops nothing).")
     m2po: Optional[float] = config_field(
         None, "M2PO second-moment trust region, tau: before the step, mask the tokens with the largest "
         "(log rho)^2 until the mean of (log rho)^2 over the kept tokens of the global batch is <= tau "
         "(old anchor only; costs the pi_old pass).")
 
     def __post_init__(self) -> None:
-        check_field_types(self)
+        check_field_types(self)  # the Literal field included
         _check_band(self, "mis")
         _check_band(self, "geo_rs")
         _require(self.opsm is None or (math.isfinite(self.opsm) and self.opsm >= 0.0), self, "opsm",
@@ -178,7 +182,8 @@ class LossConfig:
     __loader_keys__ = {"preset": (
         Optional[dict[str, Any]], _expand_preset,
         "Another framework's flags, by their names and defaults: {framework: skyrl | ms_swift | trl | verl | "
-        "nemo_rl | slime, <flag>: value, ...}; becomes policy_loss, cispo.* and tis.* (docs/mapping.md). "
+        "nemo_rl | slime, <flag>: value, ...}; becomes policy_loss, cispo.* and tis.* (slime's also "
+        "correction.opsm and opsm_ref; docs/mapping.md). "
         "A key also written explicitly must equal the preset's value.")}
 
     policy_loss: str = config_field("cispo", "Registered loss name: cispo, ppo, rollout_is or a plugin.")

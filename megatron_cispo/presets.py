@@ -8,9 +8,10 @@ Presets translate configuration, so they sit below config.py and import only sch
 `loss.preset` loader hook calls expand_preset and hands it LossConfig to validate against.
 
 Every preset sets the same keys: policy_loss, cispo.{eps_low, eps_high, clip_min, clip_max, anchor}
-and tis.{level, cap}. It reproduces that framework's clamp and, where our formula is the same, its
-truncated IS exactly; a flag value with no exact equivalent here is refused in one line. What no
-preset reproduces (reductions, masks, -inf anchors) is in docs/mapping.md.
+and tis.{level, cap}; slime's also sets correction.{opsm, opsm_ref} (its --use-opsm). It reproduces
+that framework's clamp and, where our formula is the same, its truncated IS (and slime's OPSM)
+exactly; a flag value with no exact equivalent here is refused in one line. What no preset
+reproduces (reductions, masks, -inf anchors) is in docs/mapping.md.
 """
 from __future__ import annotations
 
@@ -193,9 +194,11 @@ class NemoRL:
 
 @dataclass(frozen=True, kw_only=True)
 class Slime:
-    """--advantage-estimator cispo (THUDM/slime@624b824a, slime/utils/ppo_utils.py::compute_cispo_loss,
-    slime/backends/megatron_utils/loss.py::vanilla_tis_function; flags in slime/utils/arguments.py).
-    Offsets; --eps-clip-high unset falls back to --eps-clip."""
+    """--advantage-estimator cispo (THUDM/slime@624b824a, slime/utils/ppo_utils.py::compute_cispo_loss
+    and ::compute_opsm_mask, slime/backends/megatron_utils/loss.py::vanilla_tis_function and
+    ::policy_loss_function; flags in slime/utils/arguments.py). Offsets; --eps-clip-high unset falls
+    back to --eps-clip. --use-opsm tests mean_t log(pi_old / pi_theta), or pi_rollout's with
+    --use-rollout-logprobs."""
 
     eps_clip: float = 0.2
     eps_clip_high: Optional[float] = None
@@ -203,6 +206,8 @@ class Slime:
     use_tis: bool = False
     tis_clip: float = 2.0
     tis_clip_low: float = 0.0
+    use_opsm: bool = False
+    opsm_delta: float = 1e-4
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -214,8 +219,13 @@ class Slime:
 
     def loss(self) -> dict:
         high = self.eps_clip_high if self.eps_clip_high is not None else self.eps_clip
-        return _loss(eps_low=self.eps_clip, eps_high=high, anchor="rollout" if self.use_rollout_logprobs else "old",
+        anchor = "rollout" if self.use_rollout_logprobs else "old"
+        loss = _loss(eps_low=self.eps_clip, eps_high=high, anchor=anchor,
                      tis_level="token" if self.use_tis else None, tis_cap=self.tis_clip)
+        # slime hands compute_opsm_mask the ratio's own denominator: pi_old, or pi_rollout with
+        # --use-rollout-logprobs (policy_loss_function's old_log_probs)
+        opsm = {"opsm": self.opsm_delta, "opsm_ref": anchor} if self.use_opsm else {"opsm": None, "opsm_ref": "rollout"}
+        return {**loss, "correction": opsm}
 
 
 PRESETS: dict[str, type] = {"ms_swift": MsSwift, "nemo_rl": NemoRL, "skyrl": SkyRL, "slime": Slime, "trl": TRL,

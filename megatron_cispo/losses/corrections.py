@@ -57,7 +57,8 @@ def correction_keep(c: CorrectionConfig, anchor: str, *, logprobs: Tensor, old: 
     selected: a selection made before the step (M2PO's), False = drop. Rules (inclusive bands):
       mis [lo, hi]     keep a token iff lo <= ratio_t <= hi
       geo_rs [lo, hi]  keep a sequence iff lo <= exp(mean_t log ratio_t) <= hi
-      opsm delta       drop a sequence iff mean_t A < 0 and mean_t log(pi_rollout / pi_theta) > delta
+      opsm delta       drop a sequence iff mean_t A < 0 and mean_t log(pi_ref / pi_theta) > delta,
+                       pi_ref = pi_rollout, or pi_old with opsm_ref='old'
     Means run over the sequence's valid tokens. Collectives: seq_sum's, 1 to 4 calls.
     """
     if not corrections_on(c, selected):
@@ -83,9 +84,10 @@ def correction_keep(c: CorrectionConfig, anchor: str, *, logprobs: Tensor, old: 
         m.min_max("correction/geo_rs_ratio", geo, valid)
         keep = keep & hit
     if c.opsm is not None:
-        assert rollout is not None, "input_reasons makes rollout_logprobs required for opsm"
+        ref = rollout if c.opsm_ref == "rollout" else old
+        assert ref is not None, "input_reasons makes the opsm_ref logprobs required for opsm"
         # DeepSeek-V3.2: a negative sequence the policy has already moved away from (strict >).
-        kl = _seq_mean(rollout - logprobs.detach(), valid, count, seq_sum)
+        kl = _seq_mean(ref - logprobs.detach(), valid, count, seq_sum)
         drop = (_seq_mean(advantages.detach(), valid, count, seq_sum) < 0) & (kl > c.opsm)
         _sequence_drop_metrics(m, "opsm", drop, per_seq, valid)
         m.min_max("correction/opsm_seq_kl", kl, valid)

@@ -158,8 +158,9 @@ def _input_reasons(cfg: LossConfig, spec: PolicyLoss) -> dict[str, str]:
         if value is not None and anchor == "old":
             for name in ("old_logprobs", "rollout_logprobs"):
                 reasons.setdefault(name, f"correction.{key}={value!r}")
-    if c.opsm is not None:  # mean log(pi_rollout / pi_theta) under either anchor
-        reasons.setdefault("rollout_logprobs", f"correction.opsm={c.opsm!r}")
+    if c.opsm is not None:  # mean log(pi_ref / pi_theta) under either anchor
+        ref = "" if c.opsm_ref == "rollout" else f" with opsm_ref={c.opsm_ref!r}"
+        reasons.setdefault(f"{c.opsm_ref}_logprobs", f"correction.opsm={c.opsm!r}{ref}")
     if cfg.kl.coef > 0:
         reasons["ref_logprobs"] = f"kl.coef={cfg.kl.coef!r}"
         if cfg.kl.is_weight:  # the weight pi / pi_rollout

@@ -449,11 +449,18 @@ def test_opsm_matches_trl_get_off_policy_mask_slime_compute_opsm_mask_and_ms_swi
     kl_div = rollout - lp.detach()
     avg_seq_kl = (kl_div * m).sum(dim=1, keepdim=True) / m.sum(dim=1, keepdim=True).clamp(min=1.0)
     trl = ((adv[:, None] >= 0) | (avg_seq_kl <= delta)).to(dtype=m.dtype)
-    # slime THUDM/slime@624b824a slime/utils/ppo_utils.py::compute_opsm_mask (one sample at a time)
-    slime = []
-    for full_log_prob, full_old_log_prob, advantage, loss_mask in zip(lp, rollout, adv, m):
-        seq_kl = ((full_old_log_prob - full_log_prob) * loss_mask).sum() / torch.clamp_min(loss_mask.sum(), 1)
-        slime.append(1 - ((advantage < 0) & (seq_kl > delta)).float())
+    # slime THUDM/slime@624b824a slime/utils/ppo_utils.py::compute_opsm_mask (one sample at a time),
+    # called by loss.py::policy_loss_function with full_old_log_probs = its ratio's denominator:
+    # rollout_log_probs with --use-rollout-logprobs (ours by default), else pi_old (opsm_ref: old)
+    def slime_opsm(old_log_probs):
+        out = []
+        for full_log_prob, full_old_log_prob, advantage, loss_mask in zip(lp, old_log_probs, adv, m):
+            seq_kl = ((full_old_log_prob - full_log_prob) * loss_mask).sum() / torch.clamp_min(loss_mask.sum(), 1)
+            out.append(1 - ((advantage < 0) & (seq_kl > delta)).float())
+        return torch.stack(out).bool()[:, None].expand_as(mask) & mask
+    slime = slime_opsm(rollout)
+    keep_old_ref, _ = keep_of(config("old", opsm=delta, opsm_ref="old"), lp, adv, mask, old, rollout)
+    assert torch.equal(keep_old_ref, slime_opsm(old))
     # ms-swift modelscope/ms-swift@3602360a swift/rlhf_trainers/grpo_trainer.py: per-token advantages
     # reduced by (A * mask).sum(-1) / mask.sum(-1).clamp(min=1), then _compute_off_policy_sequence_mask
     per_token_adv = adv[:, None] * torch.linspace(0.5, 1.5, lp.shape[1])[None]  # varies, same sign
@@ -463,7 +470,7 @@ def test_opsm_matches_trl_get_off_policy_mask_slime_compute_opsm_mask_and_ms_swi
     keep_tok, _ = keep_of(config("old", opsm=delta), lp, per_token_adv, mask, old, rollout)
     assert _margin_ok(avg_seq_kl, [delta])
     assert torch.equal(keep, trl.bool().expand_as(mask) & mask)
-    assert torch.equal(keep, torch.stack(slime).bool()[:, None].expand_as(mask) & mask)
+    assert torch.equal(keep, slime)
     assert torch.equal(keep_tok, swift[:, None].expand_as(mask) & mask)
     dropped = ~keep.any(1)
     assert 0 < dropped.sum() < (adv < 0).sum()

@@ -135,6 +135,12 @@ def their_slime(f, lp, old, rollout, adv, mask):
     if f["use_tis"]:
         tis = torch.exp(old - rollout)
         pg_loss = pg_loss * torch.clamp(tis, min=f["tis_clip_low"], max=f["tis_clip"])
+    if f["use_opsm"]:  # policy_loss_function hands compute_opsm_mask full_old_log_probs = old_log_probs
+        opsm_mask = []
+        for full_log_prob, full_old_log_prob, advantage, loss_mask in zip(lp.detach(), old_log_probs, adv, mask):
+            seq_kl = ((full_old_log_prob - full_log_prob) * loss_mask).sum() / torch.clamp_min(loss_mask.sum(), 1)
+            opsm_mask.append(1 - ((advantage < 0) & (seq_kl > f["opsm_delta"])).float())
+        pg_loss = pg_loss * torch.stack(opsm_mask)
     return pg_loss
 
 
@@ -158,6 +164,8 @@ CASES = [
                  "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0}),
     ("slime", {}), ("slime", {"eps_clip": 1.0, "eps_clip_high": 4.0, "use_rollout_logprobs": True}),
     ("slime", {"eps_clip": 1.0, "eps_clip_high": 4.0, "use_tis": True}),
+    ("slime", {"eps_clip": 1.0, "eps_clip_high": 4.0, "use_opsm": True, "opsm_delta": 0.05}),  # drops 1 of 4
+    ("slime", {"eps_clip": 1.0, "eps_clip_high": 4.0, "use_opsm": True, "use_rollout_logprobs": True}),  # 1 of 4
 ]
 
 
@@ -269,6 +277,32 @@ def test_minus_inf_anchor_each_peer_as_documented_we_drop_it(framework, given, k
     assert torch.isfinite(theirs).all() and (kept_at == "zero" or (theirs[hit] != 0).all())
     assert torch.equal(ours[hit], torch.zeros_like(ours[hit])) and torch.equal(g_ours[hit], torch.zeros_like(ours[hit]))
     assert metrics.values()["policy/nonfinite_dropped"] == hit.sum()
+
+
+@pytest.mark.parametrize("use_rollout_logprobs", [False, True])
+def test_slime_opsm_tests_the_ratios_own_denominator_pi_old_by_default(use_rollout_logprobs):
+    # slime's OPSM reads mean_t log(old_log_probs / pi_theta), old_log_probs being pi_old, or
+    # pi_rollout with --use-rollout-logprobs; the two references drop different sequences here
+    g = torch.Generator().manual_seed(7)
+    b, s = 16, 6
+    rollout = -torch.rand(b, s, generator=g) * 2 - 0.1
+    old = rollout + 0.4 * torch.randn(b, s, generator=g)
+    lp = old + 0.4 * torch.randn(b, s, generator=g)
+    adv = torch.where(torch.rand(b, generator=g) < 0.7, -1.0, 1.0)[:, None].expand(b, s).contiguous()
+    mask = torch.ones(b, s, dtype=torch.bool)
+    given = {"eps_clip": 1.0, "eps_clip_high": 4.0, "use_opsm": True, "opsm_delta": 0.05,
+             "use_rollout_logprobs": use_rollout_logprobs}
+    cfg = from_dict(LossConfig, {"preset": {"framework": "slime", **given}}, "loss")
+    assert cfg.correction.opsm_ref == ("rollout" if use_rollout_logprobs else "old")
+    ours, _, _ = per_token_policy_loss(cfg, lp, advantages=adv, loss_mask=mask, old_logprobs=old,
+                                       rollout_logprobs=rollout)
+    theirs = their_slime(_flags("slime", given), lp, old, rollout, adv, mask.float())
+    assert torch.equal(ours, theirs)
+    ref = rollout if use_rollout_logprobs else old
+    other = old if use_rollout_logprobs else rollout
+    dropped = ours.eq(0).all(1)
+    assert torch.equal(dropped, (adv[:, 0] < 0) & ((ref - lp).mean(1) > 0.05))
+    assert 0 < dropped.sum() and not torch.equal(dropped, (adv[:, 0] < 0) & ((other - lp).mean(1) > 0.05))
 
 
 # ----------------------------------------------------------------------------- flags -> our keys
