@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -60,6 +62,21 @@ def _stop_message(cfg: ExperimentConfig, step: int, skips: int, metrics: dict) -
             f"advantages and model, lower optimizer.lr, or raise run.max_consecutive_skips")
 
 
+@dataclass
+class _Trainer:
+    """What set-up builds for the steps: this rank's model chunks, optimizer, sampler and DP shard."""
+
+    cfg: ExperimentConfig
+    env: Any  # runner.distributed's Env: rank, world_size, device, backend, health, timeout_s
+    chunks: list
+    optimizer: Any
+    sampler: Sampler
+    step_cfg: Any
+    dp_rank: int
+    dp: int
+    writer: Optional[MetricsWriter] = None  # rank 0 only
+
+
 def run(cfg: ExperimentConfig) -> None:
     """Run the experiment in this process (one rank of the job); collective over the world.
 
@@ -70,12 +87,7 @@ def run(cfg: ExperimentConfig) -> None:
     if cfg.model.dtype == "bf16" and not torch.cuda.is_available():
         raise ConfigError("model.dtype: 'bf16' needs CUDA (megatron's mixed-precision optimizer wraps only "
                           "CUDA tensors); use fp32 on CPU. rollout.precision=bf16 still gives a bf16 sampler")
-    from megatron.core import parallel_state as mpu
-
     from ..runner import distributed
-    from ..runner.model import build_model, build_optimizer
-    from ..runner.weights import gather_full_state
-    from ..step import Rollouts, StepConfig, policy_step
 
     p = cfg.parallelism
     try:
@@ -90,73 +102,11 @@ def run(cfg: ExperimentConfig) -> None:
         # Before anything is written: one job per run_dir, and a fresh run never mixes with an old one.
         owned = rundir.claim_for_job(cfg.run.run_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite,
                                      has_checkpoint=lambda d: checkpoint.last_complete(d) is not None)
-        torch.manual_seed(cfg.run.seed)
-        chunks = build_model(cfg.model, tp=p.tp, pp=p.pp, vp=p.vp, cp=p.cp, ep=p.ep,
-                             sequence_parallel=p.sequence_parallel, seed=cfg.run.seed)
-        o = cfg.optimizer
-        optimizer = build_optimizer(chunks, lr=o.lr, optimizer=o.name, weight_decay=o.weight_decay,
-                                    clip_grad=o.clip_grad, adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2,
-                                    bf16=cfg.model.dtype == "bf16")
-        sampler = Sampler(cfg.model, cfg.rollout, seed=cfg.run.seed, device=env.device)
-        start = 0
-        last = checkpoint.resume_point(cfg.run.run_dir) if cfg.run.resume else None  # verified, or the one before
-        if last is not None:  # on any layout: dist_checkpointing reshards the model and optimizer
-            start = checkpoint.load(last, chunks=chunks, optimizer=optimizer, shared={"sampler": sampler})
-        else:
-            sampler.sync(0, gather_full_state(chunks))  # version 0: the initial weights
-        step_cfg = StepConfig(micro_batch_size=p.micro_batch_size, temperature=cfg.rollout.temperature,
-                              max_tokens_per_microbatch=p.max_tokens_per_microbatch)
-        dp_rank, dp = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
-        writer = None
+        trainer = _set_up(cfg, env)
+        start, last = _resume(trainer)
         if env.rank == 0:
-            writer = MetricsWriter(cfg.run.run_dir, label=cfg.label, total_steps=cfg.run.steps,
-                                   log_interval=cfg.run.log_interval, start_step=start,
-                                   tensorboard=cfg.run.tensorboard)
-            (writer.dir / "config.yaml").write_text(dump_yaml(cfg))
-            resumed = f", resumed from {last}" if last is not None else ""
-            if owned.moved_to is not None:
-                resumed += f"; the earlier run in {cfg.run.run_dir} was moved to {owned.moved_to}"
-            cp_ep = (f" x cp {p.cp}" if p.cp > 1 else "") + (f" (ep {p.ep})" if p.ep > 1 else "")
-            print(f"[{cfg.label}] world {env.world_size} = tp {p.tp} x pp {p.pp} x dp {dp}{cp_ep} on {env.backend}; "
-                  f"{cfg.run.steps} steps, sampler lags {cfg.rollout.staleness} versions in "
-                  f"{cfg.rollout.precision}{resumed}", flush=True)
-        t_start, skips = time.perf_counter(), 0
-        preempt.install()
-        for step in range(start, cfg.run.steps):
-            t0 = time.perf_counter()
-            lr = o.lr_at(step, cfg.run.steps)
-            _set_lr(optimizer, lr)
-            batch = sampler.rollouts(step)
-            # One minibatch per step, so this is the contiguous split of the batch over DP.
-            shard = Rollouts(**batch.rollout_fields()).dp_shard(dp_rank=dp_rank, dp=dp, minibatches=1)
-            local = Rollouts(**{k: v.to(env.device) for k, v in shard.select(slice(None)).items()})
-            metrics = policy_step(chunks, optimizer, local, cfg.loss, step_cfg, vocab_size=cfg.model.vocab_size)
-            sampler.sync(step + 1, gather_full_state(chunks))  # the explicit weight-sync step
-            if writer is not None:
-                now = time.perf_counter()
-                writer.log(_record(step, batch, metrics, cfg, lr, now - t0, now - t_start))
-            skips = skips + 1 if metrics["step/skipped_nonfinite"] else 0
-            if cfg.run.max_consecutive_skips and skips >= cfg.run.max_consecutive_skips:
-                message = _stop_message(cfg, step, skips, metrics)
-                if writer is not None:
-                    writer.close()
-                    print(message, file=sys.stderr, flush=True)
-                dist.barrier()  # the other ranks exit only after rank 0 has said why
-                raise NonFiniteStop(message)
-            stop = preempt.agreed(env.device)  # SIGTERM on any rank: all stop after this step
-            saved = None
-            if stop or cfg.run.checkpoint_interval and (step + 1) % cfg.run.checkpoint_interval == 0:
-                saved = checkpoint.save(cfg.run.run_dir, step + 1, chunks=chunks, optimizer=optimizer,
-                                        shared={"sampler": sampler}, keep=cfg.run.checkpoint_keep)
-            if stop:
-                message = preempt.stop_message(cfg.label, step + 1, saved)
-                if writer is not None:
-                    writer.close()
-                    print(message, file=sys.stderr, flush=True)
-                raise preempt.Preempted(message)
-        if writer is not None:
-            writer.close()
-            _finish(cfg, writer.dir, time.perf_counter() - t_start)
+            trainer.writer = _open_log(trainer, start, last, owned.moved_to)
+        _train(trainer, start)
     except RuntimeError as e:  # a collective timed out: name the rank that stopped answering
         if not isinstance(e, (NonFiniteStop, preempt.Preempted, peers.PeerLost)) and not preempt.requested():
             peers.explain_lost_peer(e, env.health, rank=env.rank, timeout_s=env.timeout_s)
@@ -166,6 +116,116 @@ def run(cfg: ExperimentConfig) -> None:
         if owned is not None:
             owned.release()
         distributed.shutdown()
+
+
+def _set_up(cfg: ExperimentConfig, env) -> _Trainer:
+    """Build this rank's model chunks (seeded by run.seed, the same on every layout), optimizer and sampler."""
+    from megatron.core import parallel_state as mpu
+
+    from ..runner.model import build_model, build_optimizer
+    from ..step import StepConfig
+
+    p, o = cfg.parallelism, cfg.optimizer
+    torch.manual_seed(cfg.run.seed)
+    chunks = build_model(cfg.model, tp=p.tp, pp=p.pp, vp=p.vp, cp=p.cp, ep=p.ep,
+                         sequence_parallel=p.sequence_parallel, seed=cfg.run.seed)
+    optimizer = build_optimizer(chunks, lr=o.lr, optimizer=o.name, weight_decay=o.weight_decay,
+                                clip_grad=o.clip_grad, adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2,
+                                bf16=cfg.model.dtype == "bf16")
+    sampler = Sampler(cfg.model, cfg.rollout, seed=cfg.run.seed, device=env.device)
+    step_cfg = StepConfig(micro_batch_size=p.micro_batch_size, temperature=cfg.rollout.temperature,
+                          max_tokens_per_microbatch=p.max_tokens_per_microbatch)
+    return _Trainer(cfg=cfg, env=env, chunks=chunks, optimizer=optimizer, sampler=sampler, step_cfg=step_cfg,
+                    dp_rank=mpu.get_data_parallel_rank(), dp=mpu.get_data_parallel_world_size())
+
+
+def _resume(t: _Trainer):
+    """Collective: (first step, checkpoint resumed from or None). Loads the newest intact checkpoint
+    with run.resume, on any layout (dist_checkpointing reshards the model and optimizer); otherwise
+    the sampler receives the initial weights as policy version 0."""
+    from ..runner.weights import gather_full_state
+
+    last = checkpoint.resume_point(t.cfg.run.run_dir) if t.cfg.run.resume else None  # verified, or the one before
+    if last is None:
+        t.sampler.sync(0, gather_full_state(t.chunks))
+        return 0, None
+    return checkpoint.load(last, chunks=t.chunks, optimizer=t.optimizer, shared={"sampler": t.sampler}), last
+
+
+def _open_log(t: _Trainer, start: int, last, moved_to) -> MetricsWriter:
+    """Rank 0: the metrics writer, run_dir/config.yaml, and the line saying what runs where."""
+    cfg, p, env = t.cfg, t.cfg.parallelism, t.env
+    writer = MetricsWriter(cfg.run.run_dir, label=cfg.label, total_steps=cfg.run.steps,
+                           log_interval=cfg.run.log_interval, start_step=start, tensorboard=cfg.run.tensorboard)
+    (writer.dir / "config.yaml").write_text(dump_yaml(cfg))
+    resumed = f", resumed from {last}" if last is not None else ""
+    if moved_to is not None:
+        resumed += f"; the earlier run in {cfg.run.run_dir} was moved to {moved_to}"
+    cp_ep = (f" x cp {p.cp}" if p.cp > 1 else "") + (f" (ep {p.ep})" if p.ep > 1 else "")
+    print(f"[{cfg.label}] world {env.world_size} = tp {p.tp} x pp {p.pp} x dp {t.dp}{cp_ep} on {env.backend}; "
+          f"{cfg.run.steps} steps, sampler lags {cfg.rollout.staleness} versions in "
+          f"{cfg.rollout.precision}{resumed}", flush=True)
+    return writer
+
+
+def _train(t: _Trainer, start: int) -> None:
+    """Collective: steps start .. run.steps - 1, each followed by the stopping checks; rank 0 finishes the log."""
+    cfg = t.cfg
+    t_start, skips = time.perf_counter(), 0
+    preempt.install()
+    for step in range(start, cfg.run.steps):
+        t0 = time.perf_counter()
+        batch, metrics, lr = _step(t, step)
+        if t.writer is not None:
+            now = time.perf_counter()
+            t.writer.log(_record(step, batch, metrics, cfg, lr, now - t0, now - t_start))
+        skips = skips + 1 if metrics["step/skipped_nonfinite"] else 0
+        if cfg.run.max_consecutive_skips and skips >= cfg.run.max_consecutive_skips:
+            _stop(t, NonFiniteStop(_stop_message(cfg, step, skips, metrics)))
+        _checkpoint_or_preempt(t, step)
+    if t.writer is not None:
+        t.writer.close()
+        _finish(cfg, t.writer.dir, time.perf_counter() - t_start)
+
+
+def _step(t: _Trainer, step: int):
+    """Collective: sample the global batch, one policy step on this rank's DP shard, weight sync;
+    returns (batch, metrics, lr)."""
+    from ..runner.weights import gather_full_state
+    from ..step import Rollouts, policy_step
+
+    lr = t.cfg.optimizer.lr_at(step, t.cfg.run.steps)
+    _set_lr(t.optimizer, lr)
+    batch = t.sampler.rollouts(step)
+    # One minibatch per step, so this is the contiguous split of the batch over DP.
+    shard = Rollouts(**batch.rollout_fields()).dp_shard(dp_rank=t.dp_rank, dp=t.dp, minibatches=1)
+    local = Rollouts(**{k: v.to(t.env.device) for k, v in shard.select(slice(None)).items()})
+    metrics = policy_step(t.chunks, t.optimizer, local, t.cfg.loss, t.step_cfg, vocab_size=t.cfg.model.vocab_size)
+    t.sampler.sync(step + 1, gather_full_state(t.chunks))  # the explicit weight sync
+    return batch, metrics, lr
+
+
+def _checkpoint_or_preempt(t: _Trainer, step: int) -> None:
+    """Collective: a checkpoint after step `step` every run.checkpoint_interval steps, and when any
+    rank has been signalled (then Preempted)."""
+    cfg = t.cfg
+    stop = preempt.agreed(t.env.device)  # SIGTERM on any rank: all stop after this step
+    saved = None
+    if stop or cfg.run.checkpoint_interval and (step + 1) % cfg.run.checkpoint_interval == 0:
+        saved = checkpoint.save(cfg.run.run_dir, step + 1, chunks=t.chunks, optimizer=t.optimizer,
+                                shared={"sampler": t.sampler}, keep=cfg.run.checkpoint_keep)
+    if stop:
+        _stop(t, preempt.Preempted(preempt.stop_message(cfg.label, step + 1, saved)))
+
+
+def _stop(t: _Trainer, error: Exception) -> None:
+    """Collective: rank 0 closes the log and prints `error`'s one line; then every rank raises it."""
+    if t.writer is not None:
+        t.writer.close()
+        print(str(error), file=sys.stderr, flush=True)
+    if isinstance(error, NonFiniteStop):
+        dist.barrier()  # the other ranks exit only after rank 0 has said why
+    raise error
 
 
 def _finish(cfg: ExperimentConfig, run_dir, seconds: float) -> None:
