@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Any, Callable, Optional
 
-from ...config import ConfigError, LossConfig, describe_fields, from_dict
+from ...config import ConfigError, CorrectionConfig, LossConfig, describe_fields, from_dict
 from ...losses import check_loss_config
 
 # flag -> LossConfig key. KL, entropy, TIS and the PPO clip are not here on purpose: Megatron's
@@ -102,7 +102,7 @@ def check_dropin_config(cfg: LossConfig) -> LossConfig:
                         "and --rl-importance-sampling-truncation-coef (token-level TIS, old anchor)")
     if cfg.kl.coef != 0.0:
         problems.append(f"kl.coef={cfg.kl.coef!r}: use Megatron's --grpo-kl-beta (k3 estimator)")
-    on = {k: v for k, v in vars(cfg.correction).items() if v is not None}
+    on = {k: v for k, v in vars(cfg.correction).items() if v != getattr(CorrectionConfig(), k)}  # opsm_ref: a str
     if on:
         # Megatron-LM packs several sequences per row and hands calculate_grpo_loss no sequence
         # boundaries, and M2PO needs a selection over the whole batch before the step.
