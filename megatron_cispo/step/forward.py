@@ -31,7 +31,7 @@ from .pipeline import broadcast_tensor_from_last_stage, is_last_stage
 from .rollouts import Rollouts, StepConfig
 
 
-def forward_step_for(loss_func, calls: Optional[list] = None, head: str = "logits"):
+def forward_step_for(loss_func, calls: Optional[list] = None, head: str = "logits", moe=None):
     """forward_step(data_iterator, model) that runs the model on a microbatch dict (step.packing)
     and hands `loss_func(mb, output)` to the schedule; `calls` gets one entry per model forward.
 
@@ -40,11 +40,14 @@ def forward_step_for(loss_func, calls: Optional[list] = None, head: str = "logit
     by chunk, so an fp32 copy of the logits is never needed. head="fused": on the last stage the
     output layer is bypassed for this forward; the model returns the hidden states and the
     microbatch given to loss_func gains "head_weight" (the output or tied embedding weight) and
-    "head_sequence_parallel", for fused_token_logprobs."""
+    "head_sequence_parallel", for fused_token_logprobs. moe: a step.moe.RouterStats to tell
+    which microbatch the routers' records belong to."""
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
         if calls is not None:
             calls.append(1)
+        if moe is not None:  # step.moe.RouterStats: the routers' records go to this microbatch
+            moe.start(mb["n_seqs"])
         kwargs = {}
         if mb.get("packed_seq_params") is not None:
             kwargs["packed_seq_params"] = mb["packed_seq_params"]

@@ -13,6 +13,7 @@ every rank (one MAX all-reduce decides, before any parameter changes).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from functools import partial
 from typing import Literal, Optional
@@ -27,7 +28,7 @@ from .forward import check_megatron_config, compute_logprobs, forward_step_for, 
 from .guard import (NONFINITE_CHECKS, check_advantages, has_grad_scaler, nonfinite_this_step, warn_skipped,
                     watch_loss, zero_grads)
 from .m2po import dp_shard_row_ids, step_selection
-from .moe import moe_aux_loss_compensation
+from .moe import RouterStats, moe_aux_loss_compensation
 from .packing import microbatches, step_layout
 from .pipeline import broadcast_object_from_last_stage, is_last_stage
 from .reduce import all_reduce_in, reduce_metrics
@@ -73,7 +74,9 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
     "step/forward_calls" (model forwards on this rank) and "step/microbatches" (per step, this rank).
     With loss.correction.m2po, the selection adds "correction/m2po_m2_before" / "_after" (mean
     (log rho)^2 over the valid / kept tokens) and "correction/m2po_kept_m2_max", exact over the
-    global batch; the loss reports "correction/m2po_masked_frac". row_ids: [n] int, each local
+    global batch; the loss reports "correction/m2po_masked_frac". An MoE model adds
+    "moe/aux_loss" and "moe/z_loss" (when the router computes them) and "moe/expert_tokens_max" /
+    "_min", exact over DP, EP, TP, CP and PP (step.moe.RouterStats.reduce defines them). row_ids: [n] int, each local
     row's global sequence index, unique over DP and the same in every layout (M2PO's tie-break);
     default: the Rollouts.dp_shard layout, with as many minibatches as minibatch_size makes.
     Raises ValueError on every rank, before any schedule, for a non-finite advantage on a
@@ -137,7 +140,8 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
     seen: list = []
     loss_func = make_loss_func(loss_cfg, temperature=step_cfg.temperature, vocab_size=vocab_size,
                                old_from_current=plan == "from_training_forward")
-    forward_step = forward_step_for(watch_loss(loss_func, seen), calls, head=loss_cfg.head)
+    router_stats = RouterStats.of(chunks)  # None for a dense model
+    forward_step = forward_step_for(watch_loss(loss_func, seen), calls, head=loss_cfg.head, moe=router_stats)
     per_microbatch, grad_norms, skipped, counts = [], [], 0, []
     nonfinite, skipped_nonfinite = dict.fromkeys(NONFINITE_CHECKS, 0), 0
     scaler = has_grad_scaler(optimizer)
@@ -149,7 +153,8 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
             counts.append(len(mbs))
             zero_grads(chunks, optimizer)
             seen.clear()
-            with moe_aux_loss_compensation(get_model_config(chunks[0]), padding_mask=layout.padding_mask):
+            with moe_aux_loss_compensation(get_model_config(chunks[0]), padding_mask=layout.padding_mask), \
+                    router_stats or contextlib.nullcontext():
                 per_microbatch += run_schedule(chunks, forward_step, mbs, forward_only=False)
             # megatron's fp32 and bf16 optimizers step on a NaN gradient (the clip coefficient is NaN,
             # so nothing is clipped), so the decision is taken here, before optimizer.step() runs. A
@@ -176,5 +181,6 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
                     "step/skipped_nonfinite": float(skipped_nonfinite),
                     **{f"step/nonfinite_{k}": float(v) for k, v in nonfinite.items()},
                     "step/old_logprob_pass": float(plan == "pass"), "step/forward_calls": float(len(calls)),
-                    "step/microbatches": sum(counts) / len(counts), **m2po_metrics})
+                    "step/microbatches": sum(counts) / len(counts), **m2po_metrics,
+                    **(router_stats.reduce() if router_stats is not None else {})})
     return metrics

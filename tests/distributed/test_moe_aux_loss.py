@@ -43,13 +43,13 @@ def make_batch(lengths=LENGTHS):
     return tokens, lengths, loss_mask, torch.randn(n, generator=g), -0.3 * torch.rand(n, S, generator=g)
 
 
-def _build(*, tp=1, cp=1, sp=False, aux, z, lr):
+def _build(*, tp=1, cp=1, sp=False, ep=1, aux, z, lr):
     """A 1-layer MoE GPT (4 experts, top-2) with scaled routers, and plain SGD that never clips."""
     from megatron_cispo.runner.model import ModelConfig, build_model, build_optimizer
 
     mcfg = ModelConfig(vocab_size=V, seq_length=S + 1, hidden_size=32, num_layers=1, num_attention_heads=4,
                        num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_aux_loss_coeff=aux, moe_z_loss_coeff=z)
-    chunks = build_model(mcfg, tp=tp, pp=1, cp=cp, sequence_parallel=sp, seed=5)
+    chunks = build_model(mcfg, tp=tp, pp=1, cp=cp, ep=ep, sequence_parallel=sp, seed=5)
     with torch.no_grad():
         for c in chunks:
             for name, p in c.named_parameters():
@@ -136,24 +136,47 @@ def hand_aux_worker(lr=100.0):
     return out
 
 
+def router_metrics_by_hand(seen, weight) -> dict:
+    """policy_step's moe/ metrics of a 1-layer model in one process, from the router's inputs:
+    the mean over microbatches of the unscaled aux loss and of mean logsumexp^2 over valid tokens,
+    and the valid tokens routed to the busiest and idlest expert."""
+    w = weight.double()
+    aux = [switch_aux_loss(x, pad, w, 1.0)[0] for x, pad in seen]
+    z, routed = [], torch.zeros(EXPERTS, dtype=torch.float64)
+    for x, pad in seen:
+        logits = (x.reshape(-1, x.shape[-1]).double() @ w.t())[~pad.reshape(-1)]
+        z.append(torch.logsumexp(logits, -1).square().mean())
+        routed += torch.zeros_like(logits).scatter(1, logits.topk(TOPK, dim=-1).indices, 1.0).sum(0)
+    return {"moe/aux_loss": float(sum(aux)) / len(aux), "moe/z_loss": float(sum(z)) / len(z),
+            "moe/expert_tokens_max": float(routed.max()), "moe/expert_tokens_min": float(routed.min())}
+
+
+# Per run: (TP x CP compensation on, packed); "padded" runs micro_batch_size 2 padded on a DP
+# shard, so that a dp=2 layout routes the same microbatches as one process.
+RUNS = {"compensated": (True, True), "uncompensated": (False, True), "padded": (True, False)}
+
+
 def layout_worker(layout: dict, runs=("compensated",), lr=1.0):
     """policy_step with aux and z-loss on; per run, the metrics, the gathered post-step state and
     what this rank's router saw. 'uncompensated' turns step.moe's TP x CP compensation off, as
     on a megatron-core that carries the upstream fix."""
     import megatron_cispo.step.moe as moe
+    from megatron.core import parallel_state as mpu
+
     from megatron_cispo.config import LossConfig, from_dict
     from megatron_cispo.runner import distributed
     from megatron_cispo.runner.weights import gather_full_state
     from megatron_cispo.step import Rollouts, StepConfig, policy_step
 
-    tp, cp, sp = layout.get("tp", 1), layout.get("cp", 1), layout.get("sp", False)
-    distributed.init_distributed(tp=tp, cp=cp)
+    tp, cp, sp, ep = layout.get("tp", 1), layout.get("cp", 1), layout.get("sp", False), layout.get("ep", 1)
+    distributed.init_distributed(tp=tp, cp=cp, ep=ep)
     tokens, lengths, loss_mask, adv, noise = make_batch()
     fixed_in = moe.FIXED_IN
     out = {}
     for run in runs:
-        moe.FIXED_IN = (0, 0) if run == "uncompensated" else fixed_in
-        chunks, opt = _build(tp=tp, cp=cp, sp=sp, aux=AUX_COEFF, z=Z_COEFF, lr=lr)
+        compensated, packed = RUNS[run]
+        moe.FIXED_IN = fixed_in if compensated else (0, 0)
+        chunks, opt = _build(tp=tp, cp=cp, sp=sp, ep=ep, aux=AUX_COEFF, z=Z_COEFF, lr=lr)
         router = _router(chunks)
         w0 = router.weight.detach().clone()
         seen: list = []
@@ -161,12 +184,16 @@ def layout_worker(layout: dict, runs=("compensated",), lr=1.0):
         initial = gather_full_state(chunks)
         batch = Rollouts(tokens=tokens, loss_mask=loss_mask, advantages=adv, lengths=lengths,
                          rollout_logprobs=noise * loss_mask)
-        metrics = policy_step(chunks, opt, batch, from_dict(LossConfig, {"cispo": {"anchor": "rollout"}}),
-                              StepConfig(micro_batch_size=len(LENGTHS), max_tokens_per_microbatch=BUDGET))
+        step_cfg = StepConfig(micro_batch_size=len(LENGTHS), max_tokens_per_microbatch=BUDGET)
+        if not packed:
+            batch = batch.dp_shard(dp_rank=mpu.get_data_parallel_rank(), dp=mpu.get_data_parallel_world_size())
+            step_cfg = StepConfig(micro_batch_size=2)
+        metrics = policy_step(chunks, opt, batch, from_dict(LossConfig, {"cispo": {"anchor": "rollout"}}), step_cfg)
         hook.remove()
         out[run] = {"metrics": metrics, "initial": initial, "state": gather_full_state(chunks),
                     "gap": min(_logit_gap(x, pad, w0) for x, pad in seen),
-                    "valid": [int((~pad).sum()) for _, pad in seen], "seen": [pad.numel() for _, pad in seen]}
+                    "valid": [int((~pad).sum()) for _, pad in seen], "seen": [pad.numel() for _, pad in seen],
+                    "by_hand": router_metrics_by_hand(seen, w0)}
     moe.FIXED_IN = fixed_in
     return out
 
@@ -185,27 +212,34 @@ def test_router_update_is_the_hand_computed_aux_gradient_for_every_loss_agg():
 
 
 _RUNS: dict[str, list] = {}
-LAYOUTS = {"tp2_sp": {"tp": 2, "sp": True}, "cp2": {"cp": 2}}
+LAYOUTS = {"tp2_sp": {"tp": 2, "sp": True}, "cp2": {"cp": 2}, "dp2_ep2": {"ep": 2}}
 
 
 def _layout_results(name: str) -> list[dict]:
-    """Per-rank results of a layout; tp2_sp also runs once without the compensation."""
+    """Per-rank results of a layout; tp2_sp also runs once without the compensation and once
+    padded (its DP shard is the whole batch); dp2_ep2 runs padded only, on its DP shard."""
     if name not in _RUNS:
-        runs = ("compensated", "uncompensated") if name == "tp2_sp" else ("compensated",)
+        runs = {"tp2_sp": ("compensated", "uncompensated", "padded"), "dp2_ep2": ("padded",)}.get(
+            name, ("compensated",))
         _RUNS[name] = spawn(layout_worker, 2, (LAYOUTS[name], runs))
     return _RUNS[name]
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return spawn(layout_worker, 1, ({},))[0]["compensated"]
+def references():
+    return spawn(layout_worker, 1, ({}, ("compensated", "padded")))[0]
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    return references["compensated"]
 
 
 def _max_router_diff(state, ref_state) -> float:
     return max((state[k] - v).abs().max().item() for k, v in ref_state.items() if k.endswith("router.weight"))
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", ["tp2_sp", "cp2"])
 def test_aux_and_z_loss_step_matches_single_process(reference, name):
     results = [r["compensated"] for r in _layout_results(name)]
     assert reference["gap"] > MIN_ROUTER_GAP and min(r["gap"] for r in results) > MIN_ROUTER_GAP
@@ -232,3 +266,25 @@ def test_aux_and_z_loss_step_matches_single_process(reference, name):
 def test_without_compensation_tp2_sp_router_misses_the_reference(reference):
     r = _layout_results("tp2_sp")[0]["uncompensated"]
     assert _max_router_diff(r["state"], reference["state"]) > 20 * TOL
+
+
+MOE_KEYS = ("moe/aux_loss", "moe/z_loss", "moe/expert_tokens_max", "moe/expert_tokens_min")
+
+
+def test_router_metrics_are_the_routers_values_by_hand_in_one_process(references):
+    for run, r in references.items():
+        for key in MOE_KEYS:
+            assert r["metrics"][key] == pytest.approx(r["by_hand"][key], rel=1e-5), f"{run} {key}"
+        assert r["metrics"]["moe/expert_tokens_max"] > r["metrics"]["moe/expert_tokens_min"]
+
+
+@pytest.mark.parametrize("name,run", [("tp2_sp", "compensated"), ("cp2", "compensated"), ("tp2_sp", "padded"),
+                                      ("dp2_ep2", "padded")])
+def test_router_metrics_are_exact_over_dp_ep_tp_and_cp(references, name, run):
+    for rank, r in enumerate(_layout_results(name)):
+        for key in MOE_KEYS:
+            assert r[run]["metrics"][key] == pytest.approx(references[run]["metrics"][key], rel=TOL), \
+                f"{name} rank {rank} {key}"
+    if name == "dp2_ep2":  # the two ranks routed different rows: the DP reduction is not a copy
+        mine = [r[run]["by_hand"]["moe/expert_tokens_max"] for r in _layout_results(name)]
+        assert max(mine) < references[run]["metrics"]["moe/expert_tokens_max"]

@@ -111,6 +111,7 @@ def test_update_moves_weights_and_drops_nonfinite(reference):
         assert moved > 1e-4, case
         assert ref["metrics"]["policy/nonfinite_dropped"] == (1.0 if "rollout" in case else 0.0), case
         assert all(v == v for v in ref["metrics"].values()), f"NaN metric in {case}"
+        assert not [k for k in ref["metrics"] if k.startswith("moe/")], case  # a dense model routes nothing
 
 
 def _initial_state_worker():
