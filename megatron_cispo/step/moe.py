@@ -98,7 +98,6 @@ class RouterStats:
         self.counts = torch.zeros(self.layers, config.num_moe_experts, dtype=torch.float64, device=self.device)
         self.live, self.hooks, self.valid = False, [], {}  # valid: layer -> [tokens] bool, this call's
 
-
     @classmethod
     def of(cls, chunks) -> Optional["RouterStats"]:
         from megatron.core.transformer.moe.router import TopKRouter
@@ -137,6 +136,7 @@ class RouterStats:
             if self.live and router.training and torch.is_grad_enabled():
                 routed = output[1] & self.valid[router.layer_number][:, None]
                 self.counts[router.layer_number - 1] += routed.sum(0).double()
+
         for r in self.routers:
             self.hooks += [r.register_forward_pre_hook(before), r.register_forward_hook(after)]
         self._module, self._save = router_module, router_module.save_to_aux_losses_tracker
