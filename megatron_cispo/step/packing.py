@@ -24,10 +24,6 @@ from .head import unwrap
 from .reduce import all_reduce_in
 from .rollouts import Rollouts, StepConfig
 
-PER_TOKEN = ("loss_mask", "advantages", "rollout_logprobs", "old_logprobs", "ref_logprobs",
-             "agg_weight", "agg_share")
-
-
 @dataclass(frozen=True, kw_only=True)
 class Layout:
     """Where a microbatch runs. pad_multiple: every sequence is padded to a multiple of it (2*cp
@@ -52,13 +48,12 @@ def _embeddable(tokens: Tensor, vocab: Optional[int]) -> Tensor:
 
 
 def first_fit_decreasing(sizes: list[int], budget: int) -> list[list[int]]:
-    """Bins of indices whose sizes sum to <= budget; largest first, ties by index (deterministic)."""
+    """Bins of indices whose sizes sum to <= budget; largest first, ties by index (deterministic).
+    Every size must fit the budget (`microbatches` refuses a longer row on every DP rank first)."""
+    assert max(sizes, default=0) <= budget, "a row over the budget reached the packer"
     bins: list[list[int]] = []
     free: list[int] = []
     for i in sorted(range(len(sizes)), key=lambda k: (-sizes[k], k)):
-        if sizes[i] > budget:
-            raise ValueError(f"row {i} has {sizes[i]} tokens, more than max_tokens_per_microbatch={budget}; "
-                             "raise the budget")
         for b, room in enumerate(free):
             if sizes[i] <= room:
                 bins[b].append(i)
@@ -106,12 +101,9 @@ def plan_bins(batch: Rollouts, budget: int, window: Optional[int] = None) -> lis
     The plan depends on nothing but the rows: a bin never spans two windows, and the CP / SP
     padding added afterwards does not change it, so the same rows share a microbatch in every
     layout, as padded microbatches do. (An MoE router's load-balancing loss is per microbatch.)
+    Every row must fit the budget, as first_fit_decreasing says.
     """
     sizes = batch.target_lengths().tolist()
-    if sizes and max(sizes) > budget:
-        i = sizes.index(max(sizes))
-        raise ValueError(f"row {i} has {sizes[i]} tokens, more than max_tokens_per_microbatch={budget}; "
-                         "raise the budget")
     window = window or len(sizes) or 1
     bins = []
     for start in range(0, len(sizes), window):

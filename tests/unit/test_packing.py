@@ -37,8 +37,6 @@ def test_first_fit_decreasing_fills_bins_under_the_budget_deterministically():
     assert sorted(i for b in bins for i in b) == list(range(len(sizes)))
     assert all(sum(sizes[i] for i in b) <= 10 for b in bins)
     assert len(bins) == 3  # 30 tokens in bins of 10: optimal here
-    with pytest.raises(ValueError, match="row 1 has 11 tokens, more than max_tokens_per_microbatch=10"):
-        first_fit_decreasing([3, 11], 10)
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3])
@@ -165,8 +163,6 @@ def test_bins_never_span_two_windows_of_micro_batch_size_rows():
 
 def test_a_row_over_the_budget_is_named_and_refused_before_any_collective():
     batch = _batch([13, 5, 9, 2])
-    with pytest.raises(ValueError, match="row 0 has 12 tokens, more than max_tokens_per_microbatch=10"):
-        plan_bins(batch, 10, window=2)
     with pytest.raises(ValueError, match="a row of 12 tokens .* exceeds max_tokens_per_microbatch=10"):
         microbatches(batch, None, StepConfig(micro_batch_size=2, max_tokens_per_microbatch=10), Layout(),
                      dp_group=None)
