@@ -10,12 +10,38 @@ tensors belong on the data's device. A no-op when CUDA is available.
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 from torch.autograd.function import BackwardCFunction
 from torch.overrides import TorchFunctionMode
 
 _MISSING = object()
+
+
+def _eager(model=None, **_):
+    """torch.compile's signature, returning the function itself (as a decorator, too)."""
+    return model if model is not None else _eager
+
+
+def import_megatron_core() -> None:
+    """Import megatron.core; on a host without CUDA, without compiling its fused kernels.
+
+    megatron-core binds `jit_fuser = torch.compile` when megatron/core/jit.py loads and decorates
+    its fused kernels with it during the package import; the first torch.compile call imports
+    TorchDynamo and Inductor, about 60% of the megatron-core import (benchmarks/bench_startup.py).
+    Without CUDA, megatron loads here with torch.compile as the identity, so jit_fuser stays the
+    identity and those kernels run eagerly; torch.compile itself is restored at once. Call it
+    before the first megatron import of a process; a no-op when CUDA is available.
+    """
+    if "megatron.core" in sys.modules or torch.cuda.is_available():
+        return
+    compile_ = torch.compile
+    torch.compile = _eager
+    try:
+        import megatron.core  # noqa: F401 - loaded for its side effect: jit_fuser bound to _eager
+    finally:
+        torch.compile = compile_
 
 
 def _is_accel(device) -> bool:

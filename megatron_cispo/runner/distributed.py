@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .consistency import check_same_config
-from .cpu_compat import CpuCompat
+from .cpu_compat import CpuCompat, import_megatron_core
 from .peers import health_group
 
 
@@ -56,6 +56,7 @@ def init_distributed(
     (the resolved YAML), a rank whose text differs from another's makes every rank raise
     ConfigError before megatron's groups exist (one all-reduce; see consistency.py)."""
     global _ENV
+    import_megatron_core()  # a process's first megatron import: on CPU without compiling (~2 s per rank)
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 
