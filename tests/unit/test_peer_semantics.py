@@ -254,3 +254,17 @@ def test_opsm_ref_old_tests_mean_log_pi_old_over_pi_theta_and_needs_old_logprobs
     with pytest.raises(ValueError, match=r"^correction.opsm=0.25 with opsm_ref='old' needs old_logprobs"):
         compute_policy_loss(config(cispo={"anchor": "rollout"}, correction={"opsm": 0.25, "opsm_ref": "old"}),
                             lp, advantages=adv, loss_mask=torch.ones(3, 2), rollout_logprobs=rollout)
+
+
+def test_opsm_ref_old_under_the_rollout_anchor_plans_the_pi_old_pass_and_is_inert_at_one_step():
+    from megatron_cispo.step import StepConfig, plan_old_logprobs
+    cfg = config(cispo={"anchor": "rollout"}, correction={"opsm": 0.0, "opsm_ref": "old"})
+    plan = {n: plan_old_logprobs(cfg, StepConfig(), optimizer_steps=n, have_old=False) for n in (1, 2)}
+    assert plan == {1: "from_training_forward", 2: "pass"}
+    assert plan_old_logprobs(config(cispo={"anchor": "rollout"}, correction={"opsm": 0.0}), StepConfig(),
+                             optimizer_steps=2, have_old=False) == "unused"
+    # one step: pi_old is the training forward, detached, so mean log(pi_old / pi_theta) = 0 is never > delta
+    lp = torch.randn(4, 5)
+    loss, _, m = per_token_policy_loss(cfg, lp, advantages=-torch.ones(4), loss_mask=torch.ones(4, 5),
+                                       old_logprobs=lp.detach(), rollout_logprobs=lp - 1.0)
+    assert loss.ne(0).all() and m.values()["correction/opsm_dropped_frac"].item() == 0.0
