@@ -1,16 +1,22 @@
-"""Compare demo runs: a table of reward, clip fraction and ratio spread, checks, and a figure.
+"""Summarise runs: a table of reward, clip fraction and ratio spread, a figure, and the demo's checks.
 
+    python -m megatron_cispo.demo.report RUN_DIR                     # any run: table + RUN_DIR/metrics.png
     python -m megatron_cispo.demo.report runs/demo/rollout runs/demo/old [--png runs/demo/comparison.png] [--strict]
 
 Reads each run's metrics.jsonl and config.yaml; a null metric (non-finite when it was written)
-is left out of means and extremes and is a gap in the figure. The checks are what the demo is
-meant to show: the old anchor's ratios are exactly 1 and never clipped; the rollout anchor's are
-clipped, and its reward over the last 10% of steps is at least twice that over the first 10%.
+is left out of means and extremes and is a gap in the figure. The figure goes to --png, else to
+RUN_DIR/metrics.png for one run or comparison.png in the runs' common parent folder for several;
+the path is printed. The checks are what the demo is meant to show, so they run only for the
+demo's pair: two CISPO runs whose configs differ only in loss.cispo.anchor (rollout and old) and
+the run: section. The old anchor's ratios are exactly 1 and never clipped; the rollout anchor's
+are clipped, and its reward over the last 10% of steps is at least twice that over the first 10%.
+--strict exits 1 when a check fails (and 2 when the runs are not the demo's pair).
 """
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -18,7 +24,7 @@ import yaml
 
 from ..config import LossConfig, from_dict
 from ..runner.experiment import run_label
-from .metrics import read_metrics
+from .metrics import MetricsFileError, read_metrics
 
 MIN_GAIN = 2.0
 
@@ -46,15 +52,20 @@ def _max(xs: list[float]) -> float:
     return max(_finite(xs), default=float("nan"))
 
 
+def _config(run_dir: Path) -> dict:
+    saved = run_dir / "config.yaml"
+    return yaml.safe_load(saved.read_text()) if saved.exists() else {}
+
+
 def summarize(run_dir: str | Path) -> dict:
     """Headline numbers of one run (first/last 10% of steps, at least one step each)."""
     run_dir = Path(run_dir)
     recs = read_metrics(run_dir)
-    saved = run_dir / "config.yaml"
-    cfg = yaml.safe_load(saved.read_text()) if saved.exists() else {}
+    cfg = _config(run_dir)
     loss = cfg.get("loss", {})
-    name = cfg.get("run", {}).get("name") or ("" if saved.exists() else run_dir.name)
-    label = run_label(from_dict(LossConfig, loss, "loss"), name)
+    name = cfg.get("run", {}).get("name") or ("" if cfg else run_dir.name)
+    loss_cfg = from_dict(LossConfig, loss, "loss")
+    label = run_label(loss_cfg, name)
     cispo = loss.get("cispo") if loss.get("policy_loss", "cispo") == "cispo" else None
     anchor = cispo.get("anchor", "?") if cispo else "-"
     k = max(1, len(recs) // 10)
@@ -69,8 +80,25 @@ def summarize(run_dir: str | Path) -> dict:
         "lag_max": max((r.get("policy_version_lag", 0) for r in recs), default=0),
         "elapsed_s": _col(recs[-1:], "elapsed_s")[0] if recs else float("nan"),
         "skipped_nonfinite": sum(_finite(_col(recs, "step/skipped_nonfinite", 0.0))),
-        "clip_range": (1.0 - cispo["eps_low"], 1.0 + cispo["eps_high"]) if cispo else None,
+        "clip_range": loss_cfg.cispo.bounds() if cispo else None,  # (floor, cap) of the CISPO weight
     }
+
+
+def is_demo_pair(run_dirs: list[str | Path]) -> bool:
+    """Whether the runs are the demo's comparison: two CISPO runs, anchors rollout and old, whose
+    saved configs are otherwise equal (the run: section, i.e. name, run_dir, steps, seed, aside)."""
+    if len(run_dirs) != 2:
+        return False
+    cfgs = [_config(Path(d)) for d in run_dirs]
+    anchors, rest = set(), []
+    for cfg in cfgs:
+        loss = cfg.get("loss", {})
+        if not cfg or loss.get("policy_loss") != "cispo":
+            return False
+        anchors.add(loss.get("cispo", {}).get("anchor"))
+        rest.append({**{k: v for k, v in cfg.items() if k != "run"},
+                     "loss": {**loss, "cispo": {**loss["cispo"], "anchor": None}}})
+    return anchors == {"rollout", "old"} and rest[0] == rest[1]
 
 
 def checks(s: dict) -> list[tuple[str, bool | None]]:
@@ -97,59 +125,94 @@ def table(summaries: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def plot_runs(run_dirs: list[str | Path], out_png: str | Path) -> Path | None:
-    """Reward, clip fraction and ratio spread per step; one column per run. None without matplotlib."""
-    try:
-        import matplotlib
+def figure(run_dirs: list[str | Path]):
+    """Reward, clip fraction and ratio spread per step, one column per run (a matplotlib Figure).
+    The CISPO clamp's bounds are dashed lines in the legend; below a floor of 0 nothing can be
+    clipped, so that curve is replaced by a legend note. ImportError without matplotlib."""
+    import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception:  # noqa: BLE001 - plotting is optional (the `plot` extra)
-        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     runs = [(summarize(d), read_metrics(d)) for d in run_dirs]
     fig, axes = plt.subplots(3, len(runs), figsize=(4.5 * len(runs), 8), sharex="col", sharey="row", squeeze=False)
     for col, (s, recs) in enumerate(runs):
         x = [r["step"] for r in recs]
+        floor, cap = s["clip_range"] or (None, None)
         ax = axes[0][col]
         ax.plot(x, _col(recs, "reward_mean"), color="tab:green")
         ax.set_title(f"{s['label']} (lag {s['lag_max']})")
-        axes[1][col].plot(x, _col(recs, "clip_frac_low", 0.0), label="below 1-eps_low")
-        axes[1][col].plot(x, _col(recs, "clip_frac_high", 0.0), label="above 1+eps_high")
-        axes[1][col].legend(fontsize=7)
+        ax = axes[1][col]
+        if floor is not None and floor <= 0.0:  # a ratio is never below 0: the curve is 0 by construction
+            ax.plot([], [], " ", label="below the floor: none (floor 0)")
+        else:
+            ax.plot(x, _col(recs, "clip_frac_low", 0.0), label="below 1-eps_low")
+        ax.plot(x, _col(recs, "clip_frac_high", 0.0), label="above 1+eps_high")
+        ax.legend(fontsize=7)
         ax = axes[2][col]
         ax.fill_between(x, _col(recs, "ratio_min", 1.0), _col(recs, "ratio_max", 1.0), alpha=0.3, label="min..max")
         ax.plot(x, _col(recs, "ratio_mean", 1.0), label="mean")
-        if s["clip_range"]:
-            for bound in s["clip_range"]:
-                if bound > 0:
-                    ax.axhline(bound, color="gray", linestyle="--", linewidth=0.8)
+        for bound, name in ((cap, "cap"), (floor, "floor")):
+            if bound is not None and bound > 0:  # a floor of 0 has no place on a log axis
+                ax.axhline(bound, color="gray", linestyle="--", linewidth=0.8, label=f"clamp {name} {bound:g}")
         ax.set_yscale("log")
         ax.legend(fontsize=7)
         ax.set_xlabel("step")
     for row, name in enumerate(("reward mean", "clip fraction", "ratio pi/pi_anchor")):
         axes[row][0].set_ylabel(name)
     fig.tight_layout()
+    return fig
+
+
+def plot_runs(run_dirs: list[str | Path], out_png: str | Path) -> Path | None:
+    """`figure(run_dirs)` saved to out_png; None without matplotlib (the `plot` extra)."""
+    try:
+        fig = figure(run_dirs)
+    except ImportError:
+        return None
+    import matplotlib.pyplot as plt
+
     out_png = Path(out_png)
     fig.savefig(out_png, dpi=100)
     plt.close(fig)
     return out_png
 
 
+def default_png(run_dirs: list[str | Path]) -> Path:
+    """One run: its own folder's metrics.png; several: comparison.png in their common parent folder."""
+    if len(run_dirs) == 1:
+        return Path(run_dirs[0]) / "metrics.png"
+    return Path(os.path.commonpath([os.path.abspath(d) for d in run_dirs])) / "comparison.png"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", help="run directories (each with metrics.jsonl)")
-    ap.add_argument("--png", help="figure path (default: comparison.png next to the first run)")
-    ap.add_argument("--strict", action="store_true", help="exit 1 when a check fails")
+    ap.add_argument("--png", help="figure path (default: RUN_DIR/metrics.png for one run, else comparison.png "
+                                  "in the runs' common parent folder)")
+    ap.add_argument("--strict", action="store_true", help="the demo's pair only: exit 1 when a check fails")
     args = ap.parse_args(argv)
-    summaries = [summarize(d) for d in args.runs]
+    try:
+        for d in args.runs:
+            if not (Path(d) / "metrics.jsonl").is_file():
+                raise MetricsFileError(f"{d}: no metrics.jsonl here; give a run directory (run.run_dir of a run)")
+        summaries = [summarize(d) for d in args.runs]
+    except MetricsFileError as e:
+        print(f"report: {e}", file=sys.stderr)
+        return 2
+    demo = is_demo_pair(args.runs)
+    if args.strict and not demo:
+        print("report: --strict checks the demo's pair (two CISPO runs whose configs differ only in "
+              "loss.cispo.anchor, rollout and old); these runs are not one", file=sys.stderr)
+        return 2
     print(table(summaries))
     ok = True
-    for s in summaries:
+    for s in summaries if demo else []:
         for text, passed in checks(s):
             ok &= passed is not False
             print(f"  [{'info' if passed is None else 'PASS' if passed else 'FAIL'}] {s['label']}: {text}")
-    png = plot_runs(args.runs, args.png or Path(args.runs[0]).parent / "comparison.png")
-    print(f"figure: {png}" if png else "figure: skipped (pip install matplotlib)")
+    png = plot_runs(args.runs, args.png or default_png(args.runs))
+    print(f"figure: wrote {png}" if png else "figure: skipped (pip install matplotlib)")
     return 1 if args.strict and not ok else 0
 
 
