@@ -14,7 +14,6 @@ every rank (one MAX all-reduce decides, before any parameter changes).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
 from functools import partial
 from typing import Literal, Optional
 
@@ -126,9 +125,9 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
     score = partial(compute_logprobs, batch=batch, step_cfg=step_cfg, vocab_size=vocab_size, calls=calls,
                     head=loss_cfg.head, head_fp32=loss_cfg.head_fp32)
     if plan == "pass":
-        batch = replace(batch, old_logprobs=score(chunks))
+        batch = batch.replace(old_logprobs=score(chunks))
     if "ref_logprobs" in required_inputs(loss_cfg) and batch.ref_logprobs is None:
-        batch = replace(batch, ref_logprobs=score(ref_chunks))
+        batch = batch.replace(ref_logprobs=score(ref_chunks))
     keep, m2po_metrics = None, {}
     if loss_cfg.correction.m2po is not None:  # whole batch, every DP rank, before the first microbatch
         rows_global = dp_shard_row_ids(n, mini_local, mpu.get_data_parallel_rank(), dp, param.device) \
@@ -148,7 +147,7 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
     for _ in range(step_cfg.epochs):
         for start in range(0, n, mini_local):
             part = slice(start, start + mini_local)
-            mbs = build(Rollouts(**batch.select(part)),
+            mbs = build(batch.rows(part),
                         token_fields=None if keep is None else {"token_keep": keep[part]})
             counts.append(len(mbs))
             zero_grads(chunks, optimizer)

@@ -7,14 +7,15 @@ Sequences may differ in length (`lengths`); the step packs them under a token bu
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Literal, Optional
 
 import torch
 from torch import Tensor
 
-from ..config import check_field_types
+from ..config import check_field_types, config_field
 from ..kept_set import KeptSet, check_targets
 from ..vocab_softmax import check_devices
 
@@ -23,32 +24,48 @@ from ..vocab_softmax import check_devices
 class Rollouts:
     """A DP-local batch of n sequences of up to s+1 tokens (prompt + response, right-padded).
 
-    tokens: [n, s+1] int64|int32. The model reads tokens[:, :-1] and is scored on tokens[:, 1:].
-    lengths: [n] int, real tokens per row (2..s+1); None = every row is s+1 long. Positions at
-        or past a row's length are padding: never trained, never seen by the model when packed.
-    loss_mask: [n, s] bool (or a number dtype holding only 0 and 1), True on trained (response)
-        targets; it carries the prompt/response boundary. advantages: [n] or [n, s] float.
-    rollout_logprobs / old_logprobs / ref_logprobs: [n, s] fp32, per target token.
-    keep_ids [K] int, keep_offsets [n*s + 1] int: the sampler's kept vocabulary ids of each target
-        position (row-major over [n, s]), compressed rows as vLLM returns them (kept_set.KeptSet;
-        an empty position keeps the full vocabulary). Given, every pass scores over these sets
-        (sampling-mask replay). Both or neither; each trained target must be in its set.
     Every field lives on one device, the model's (policy_step checks). n = 0 builds (an empty
     shard), but policy_step refuses a batch with no rows with a ValueError.
-    Construction syncs with the host only to check a non-bool loss_mask, `lengths` and the kept sets.
+    Construction syncs with the host only to check a non-bool loss_mask, `lengths` and the kept
+    sets. A batch derived from a checked one (`rows`, `dp_shard`, `replace` of logprobs or
+    advantages) is not checked again: its values come from one that was.
     """
 
-    tokens: Tensor
-    loss_mask: Tensor
-    advantages: Tensor
-    rollout_logprobs: Optional[Tensor] = None
-    old_logprobs: Optional[Tensor] = None
-    ref_logprobs: Optional[Tensor] = None
-    lengths: Optional[Tensor] = None
-    keep_ids: Optional[Tensor] = None
-    keep_offsets: Optional[Tensor] = None
+    tokens: Tensor = config_field(doc="[n, s+1] int64|int32. The model reads tokens[:, :-1] and is scored on "
+                                      "tokens[:, 1:].")
+    loss_mask: Tensor = config_field(doc="[n, s] bool (or a number dtype holding only 0 and 1), True on trained "
+                                         "(response) targets; it carries the prompt/response boundary.")
+    advantages: Tensor = config_field(doc="[n] or [n, s] float.")
+    rollout_logprobs: Optional[Tensor] = config_field(None, "[n, s] fp32: the sampler's logprob of each target.")
+    old_logprobs: Optional[Tensor] = config_field(None, "[n, s] fp32: pi_old's (None: policy_step computes it "
+                                                        "when the loss needs it).")
+    ref_logprobs: Optional[Tensor] = config_field(None, "[n, s] fp32: the reference model's (KL).")
+    lengths: Optional[Tensor] = config_field(None, "[n] int, real tokens per row (2..s+1); None = every row is "
+                                                   "s+1 long. Positions at or past a row's length are padding: "
+                                                   "never trained, never seen by the model when packed.")
+    keep_ids: Optional[Tensor] = config_field(None, "[K] int: the sampler's kept vocabulary ids of each target "
+                                                    "position (row-major over [n, s]), compressed rows as vLLM "
+                                                    "returns them (kept_set.KeptSet). Given, every pass scores "
+                                                    "over these sets (sampling-mask replay).")
+    keep_offsets: Optional[Tensor] = config_field(None, "[n*s + 1] int: where each position's kept ids start; "
+                                                        "an empty position keeps the full vocabulary. Both keep_ "
+                                                        "fields or neither; each trained target must be in its set.")
 
     def __post_init__(self):
+        self._check_layout()
+        self._check_values()
+
+    @classmethod
+    def _derived(cls, **given: Optional[Tensor]) -> Rollouts:
+        """A batch whose values come from a checked one: only the layout checks (no host sync)."""
+        out = cls.__new__(cls)
+        for f in fields(cls):
+            object.__setattr__(out, f.name, given.get(f.name))
+        out._check_layout()
+        return out
+
+    def _check_layout(self) -> None:
+        """Dtypes, shapes and devices; no host sync."""
         if self.tokens.dim() != 2 or self.tokens.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"rollouts.tokens must be an int64 or int32 [n, s+1] tensor of token ids, got "
                              f"{self.tokens.dtype} {tuple(self.tokens.shape)}")
@@ -67,15 +84,28 @@ class Rollouts:
             t = getattr(self, name)
             if t is not None and not t.dtype.is_floating_point:
                 raise ValueError(f"rollouts.{name} must be a floating tensor (fp32), got {t.dtype}")
+        lengths = self.lengths
+        if lengths is not None and (tuple(lengths.shape) != (n,) or lengths.dtype.is_floating_point
+                                    or lengths.dtype == torch.bool):
+            raise ValueError(f"rollouts.lengths must be an int [n] = {(n,)} tensor, got {lengths.dtype} "
+                             f"{tuple(lengths.shape)}")
+        if (self.keep_ids is None) != (self.keep_offsets is None):
+            raise ValueError("rollouts.keep_ids and rollouts.keep_offsets come together (the kept sets in "
+                             "compressed rows); got only one of them")
+        if self.keep_offsets is not None and self.keep_offsets.shape != (n * s + 1,):
+            raise ValueError(f"rollouts.keep_offsets has shape {tuple(self.keep_offsets.shape)}; expected "
+                             f"[n*s + 1] = ({n * s + 1},), one kept set per target position")
+
+    def _check_values(self) -> None:
+        """A non-bool mask's values, the lengths against the mask, the trained targets against
+        their kept sets: host syncs."""
+        n, s = self.tokens.shape[0], self.tokens.shape[1] - 1
         m = self.loss_mask
         if m.dtype != torch.bool and bool(((m != 0) & (m != 1)).any()):  # host sync
             raise ValueError(f"rollouts.loss_mask must be bool or hold only 0 and 1, got a {m.dtype} mask with "
                              f"other values; a fractional weight would count its token as fully trained")
         if self.lengths is not None:
             lengths = self.lengths
-            if tuple(lengths.shape) != (n,) or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
-                raise ValueError(f"rollouts.lengths must be an int [n] = {(n,)} tensor, got {lengths.dtype} "
-                                 f"{tuple(lengths.shape)}")
             if n and (int(lengths.min()) < 2 or int(lengths.max()) > s + 1):
                 raise ValueError(f"rollouts.lengths must be in [2, {s + 1}] (a prompt token and a target, at "
                                  f"most tokens.shape[1]), got min {int(lengths.min())} max {int(lengths.max())}")
@@ -84,21 +114,11 @@ class Rollouts:
                 row = int((self.loss_mask.bool() & past.to(self.loss_mask.device)).any(1).nonzero()[0, 0])
                 raise ValueError(f"rollouts.loss_mask trains a target past the end of row {row} "
                                  f"(length {int(lengths[row])}): targets at or after lengths-1 are padding")
-        self._check_keep(n, s)
-
-    def _check_keep(self, n: int, s: int) -> None:
-        if (self.keep_ids is None) != (self.keep_offsets is None):
-            raise ValueError("rollouts.keep_ids and rollouts.keep_offsets come together (the kept sets in "
-                             "compressed rows); got only one of them")
-        if self.keep_ids is None:
-            return
-        if self.keep_offsets.shape != (n * s + 1,):
-            raise ValueError(f"rollouts.keep_offsets has shape {tuple(self.keep_offsets.shape)}; expected "
-                             f"[n*s + 1] = ({n * s + 1},), one kept set per target position")
-        try:
-            check_targets(KeptSet(self.keep_ids, self.keep_offsets), self.tokens[:, 1:], self.loss_mask != 0)
-        except ValueError as e:
-            raise ValueError(f"rollouts.{e}") from None
+        if self.keep_ids is not None:
+            try:
+                check_targets(KeptSet(self.keep_ids, self.keep_offsets), self.tokens[:, 1:], self.loss_mask != 0)
+            except ValueError as e:
+                raise ValueError(f"rollouts.{e}") from None
 
     def kept(self) -> Optional[KeptSet]:
         """The kept sets over the [n, s] target positions (sampling-mask replay), or None."""
@@ -133,10 +153,22 @@ class Rollouts:
                              f"minibatches over dp={dp}")
 
         rows = torch.arange(n, device=self.tokens.device).view(minibatches, dp, n // (dp * minibatches))
-        return Rollouts(**self.select(rows[:, dp_rank].reshape(-1)))
+        return self.rows(rows[:, dp_rank].reshape(-1))
+
+    def rows(self, idx) -> Rollouts:
+        """Rows `idx` (a slice or an index tensor) as a batch, not checked again."""
+        return Rollouts._derived(**self.select(idx))
+
+    def replace(self, **changes: Optional[Tensor]) -> Rollouts:
+        """This batch with `changes`, e.g. old_logprobs from a forward pass. Dtypes, shapes and
+        devices are checked; the host-syncing value checks run only when a field they read changes."""
+        if changes.keys() & {"tokens", "loss_mask", "lengths", "keep_ids", "keep_offsets"}:
+            return dataclasses.replace(self, **changes)
+        return Rollouts._derived(**{**{f.name: getattr(self, f.name) for f in fields(self)}, **changes})
 
     def select(self, idx) -> dict[str, Tensor]:
-        """The given fields of rows `idx` (a slice or an index tensor), as Rollouts(**...) takes them."""
+        """The given fields of rows `idx` (a slice or an index tensor), as Rollouts(**...) takes them
+        (`rows(idx)` builds that batch without checking it again)."""
         out = {k: getattr(self, k)[idx] for k in ("tokens", "loss_mask", "advantages", "rollout_logprobs",
                                                   "old_logprobs", "ref_logprobs", "lengths")
                if getattr(self, k) is not None}
@@ -152,17 +184,17 @@ class Rollouts:
 class StepConfig:
     """How one batch of rollouts becomes optimizer steps."""
 
-    micro_batch_size: int = field(default=1, metadata={
-        "doc": "rows per microbatch per DP rank; packed: rows packed together into one or more bins"})
-    minibatch_size: Optional[int] = field(
-        default=None, metadata={"doc": "global sequences per optimizer step; None = the whole batch (one step)"})
-    epochs: int = field(default=1, metadata={"doc": "passes over the batch"})
-    temperature: float = field(default=1.0, metadata={"doc": "the sampler's temperature; logits are divided by it"})
-    old_logprob_pass: Literal["auto", "always"] = field(
-        default="auto", metadata={"doc": "auto skips the pi_old pass when it cannot matter"})
-    max_tokens_per_microbatch: Optional[int] = field(
-        default=None, metadata={"doc": "pack each micro_batch_size rows into [1, T] microbatches of at most "
-                                       "this many tokens (first-fit decreasing); None = pad the rows"})
+    micro_batch_size: int = config_field(
+        1, "rows per microbatch per DP rank; packed: rows packed together into one or more bins")
+    minibatch_size: Optional[int] = config_field(
+        None, "global sequences per optimizer step; None = the whole batch (one step)")
+    epochs: int = config_field(1, "passes over the batch")
+    temperature: float = config_field(1.0, "the sampler's temperature; logits are divided by it")
+    old_logprob_pass: Literal["auto", "always"] = config_field(
+        "auto", "auto skips the pi_old pass when it cannot matter")
+    max_tokens_per_microbatch: Optional[int] = config_field(
+        None, "pack each micro_batch_size rows into [1, T] microbatches of at most this many tokens "
+              "(first-fit decreasing); None = pad the rows")
 
     def __post_init__(self):
         if self.old_logprob_pass not in ("auto", "always"):

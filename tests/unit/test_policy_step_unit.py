@@ -210,3 +210,46 @@ def test_the_fused_head_finds_the_output_layer_through_ddp_and_float16_module():
     ddp.module = Float16Module(gpt)
     assert unwrap(ddp) == (gpt, True) and unwrap(gpt) == (gpt, False)
     assert output_layer_of(ddp) is gpt.output_layer and output_layer_of(torch.nn.Module()) is None
+
+
+def _checks_per_policy_step():
+    """Host-syncing Rollouts checks (__post_init__ runs them) during one policy_step of 2
+    minibatches with a pi_old pass, on a batch with lengths, a float mask and kept sets."""
+    from megatron_cispo.runner import distributed
+    from megatron_cispo.runner.model import ModelConfig, build_model, build_optimizer
+    from megatron_cispo.step import policy_step
+
+    distributed.init_distributed()
+    chunks = build_model(ModelConfig(vocab_size=8, seq_length=6, hidden_size=8, num_layers=1,
+                                     num_attention_heads=2), tp=1, pp=1, seed=0)
+    n, s = 4, 5
+    tokens = torch.arange(n * (s + 1)).view(n, s + 1) % 8
+    offsets = torch.arange(n * s + 1)  # every position keeps its target only
+    ids = tokens[:, 1:].reshape(-1)
+    batch = Rollouts(tokens=tokens, loss_mask=torch.ones(n, s), advantages=torch.randn(n),
+                     lengths=torch.full((n,), s + 1), rollout_logprobs=torch.zeros(n, s), keep_ids=ids,
+                     keep_offsets=offsets)
+    calls = []
+    original = Rollouts.__post_init__
+    Rollouts.__post_init__ = lambda self: (calls.append(1), original(self))[1]
+    try:
+        policy_step(chunks, build_optimizer(chunks, lr=1e-3), batch, LossConfig(),
+                    StepConfig(micro_batch_size=1, minibatch_size=2, old_logprob_pass="always"))
+        shard = batch.dp_shard(dp_rank=1, dp=2)
+        replaced = shard.replace(old_logprobs=torch.zeros(2, s))
+        refused = None
+        try:  # a changed mask is checked again
+            shard.replace(loss_mask=torch.full((2, s), 0.5))
+        except ValueError as e:
+            refused = str(e)
+    finally:
+        Rollouts.__post_init__ = original
+    return len(calls), replaced.old_logprobs.shape, refused
+
+
+def test_rollouts_derived_from_a_checked_batch_are_not_checked_again():
+    from megatron_cispo.testing import spawn
+
+    checks, shape, refused = spawn(_checks_per_policy_step, 1, timeout_s=240)[0]
+    assert checks == 1  # policy_step, dp_shard and replace(old_logprobs=) check nothing; replace(loss_mask=) does
+    assert shape == (2, 5) and refused.startswith("rollouts.loss_mask must be bool or hold only 0 and 1")
