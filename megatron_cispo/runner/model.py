@@ -9,12 +9,12 @@ layout starts from the same model; `weights.gather_full_state` inverts that. Lay
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from ..config import check_field_types
+from ..config import check_field_types, config_field
 from ..step.hooks import set_megatron_hooks
 from .specs import block_spec, grouped_gemm, layer_spec
 from .weights import init_layout_independent
@@ -24,23 +24,22 @@ from .weights import init_layout_independent
 class ModelConfig:
     """A GPT built from megatron-core's own layer specs."""
 
-    vocab_size: int = field(default=64, metadata={"doc": "vocabulary size (a multiple of tp)"})
-    seq_length: int = field(default=32, metadata={"doc": "max sequence length (learned positions)"})
-    hidden_size: int = field(default=32, metadata={"doc": "model width"})
-    num_layers: int = field(default=2, metadata={"doc": "transformer layers (a multiple of pp*vp)"})
-    num_attention_heads: int = field(default=4, metadata={"doc": "attention heads (a multiple of tp)"})
-    ffn_hidden_size: int | None = field(default=None, metadata={"doc": "MLP width; None = 4*hidden"})
-    dtype: Literal["fp32", "bf16"] = field(default="fp32", metadata={"doc": "parameter/compute dtype"})
-    transformer_impl: Literal["local", "te"] = field(
-        default="local", metadata={"doc": "layer spec: megatron-core local modules or Transformer Engine"})
-    init_std: float = field(default=0.02, metadata={"doc": "normal init std for weight matrices"})
-    num_moe_experts: int | None = field(default=None, metadata={
-        "doc": "MoE experts per layer (a multiple of ep); None = dense MLP. MoE layers have no linear biases"})
-    moe_router_topk: int = field(default=2, metadata={
-        "doc": "experts per token, 1..num_moe_experts (top-1 takes the softmax over all experts first)"})
-    moe_aux_loss_coeff: float = field(default=0.0, metadata={
-        "doc": "load-balancing aux loss coefficient (megatron's aux_loss); 0 = off"})
-    moe_z_loss_coeff: float = field(default=0.0, metadata={"doc": "router z-loss coefficient; 0 = off"})
+    vocab_size: int = config_field(64, "vocabulary size (a multiple of tp)")
+    seq_length: int = config_field(32, "max sequence length (learned positions)")
+    hidden_size: int = config_field(32, "model width")
+    num_layers: int = config_field(2, "transformer layers (a multiple of pp*vp)")
+    num_attention_heads: int = config_field(4, "attention heads (a multiple of tp)")
+    ffn_hidden_size: int | None = config_field(None, "MLP width; None = 4*hidden")
+    dtype: Literal["fp32", "bf16"] = config_field("fp32", "parameter/compute dtype")
+    transformer_impl: Literal["local", "te"] = config_field(
+        "local", "layer spec: megatron-core local modules or Transformer Engine")
+    init_std: float = config_field(0.02, "normal init std for weight matrices")
+    num_moe_experts: int | None = config_field(
+        None, "MoE experts per layer (a multiple of ep); None = dense MLP. MoE layers have no linear biases")
+    moe_router_topk: int = config_field(
+        2, "experts per token, 1..num_moe_experts (top-1 takes the softmax over all experts first)")
+    moe_aux_loss_coeff: float = config_field(0.0, "load-balancing aux loss coefficient (megatron's aux_loss); 0 = off")
+    moe_z_loss_coeff: float = config_field(0.0, "router z-loss coefficient; 0 = off")
 
     def __post_init__(self):
         check_field_types(self)
