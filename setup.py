@@ -4,7 +4,15 @@ CPU machines: install torch first (`pip install torch==2.13.0`, a CPU wheel) so 
 `torch` requirement below is already met and pip does not pull a CUDA build. GPU clusters:
 see docs/launch.md (CUDA torch, Transformer Engine, NVIDIA Apex built from source).
 """
+import json
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+# What Megatron-LM's RL entry point (train_rl.py) imports beyond torch and megatron-core, recorded
+# with its API: pip install "megatron_cispo[megatron-lm]" (docs/integration.md).
+_API = Path(__file__).resolve().parent / "megatron_cispo" / "integrations" / "megatron_lm_api_0_16.json"
+MEGATRON_LM = sorted(json.loads(_API.read_text())["entry_point_requirements"].values())
 
 setup(
     name="megatron_cispo",
@@ -25,6 +33,7 @@ setup(
         "tensorboard": ["tensorboard"],
         # NVIDIA Apex is built from source (github NVIDIA/apex); the PyPI "apex" is unrelated.
         "te": ["transformer-engine[pytorch]"],
+        "megatron-lm": MEGATRON_LM,
     },
     entry_points={"console_scripts": ["megatron-cispo-train=megatron_cispo.train:main"]},
 )

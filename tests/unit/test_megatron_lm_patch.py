@@ -59,31 +59,41 @@ class _Tree:
         training = types.ModuleType("megatron.training")
         training.pretrain = self.pretrain
         training.get_args = lambda: self.args
+        arguments = types.ModuleType("megatron.training.arguments")
+        arguments.parse_args = _parse_args
         info = types.ModuleType("megatron.core.package_info")
         info.__version__ = version
         train_rl = types.ModuleType("train_rl")  # what `from megatron.rl.rl_utils import ...` leaves behind
         train_rl.calculate_grpo_loss, train_rl.get_logprobs = calculate_grpo_loss, _orig_get_logprobs
         train_rl.pretrain = self.pretrain
         for name, mod in {"megatron.rl": types.ModuleType("megatron.rl"), "megatron.rl.rl_utils": rl,
-                          "megatron.training": training, "megatron.core.package_info": info,
+                          "megatron.training": training, "megatron.training.arguments": arguments,
+                          "megatron.core.package_info": info,
                           "train_rl": train_rl}.items():
             monkeypatch.setitem(sys.modules, name, mod)
-        self.rl, self.training, self.train_rl = rl, training, train_rl
+        self.rl, self.training, self.train_rl, self.arguments = rl, training, train_rl, arguments
         self.pretrain_calls = 0
 
     def _pretrain(self, train_valid_test_dataset_provider, model_provider, model_type, forward_step_func,
                   process_non_loss_data_func=None, extra_args_provider=None, args_defaults={},
                   get_embedding_ranks=None, get_position_embedding_ranks=None, non_loss_data_func=None,
                   store=None, inprocess_call_wrapper=None):
-        """Like Megatron's: parse argv with the extra provider, then run one forward/loss."""
+        """Like Megatron's: ft_integration.setup() parses argv without the extra provider, then
+        initialize_megatron parses it with it; then one forward/loss."""
         self.pretrain_calls += 1
-        parser = argparse.ArgumentParser()
-        parser.add_argument("--grpo-kl-beta", type=float, default=0.0)
-        if extra_args_provider is not None:
-            parser = extra_args_provider(parser)
-        self.args = parser.parse_args(sys.argv[1:])
+        _parse_args(ignore_unknown_args=True)
+        self.args = _parse_args(extra_args_provider)
         output, loss_fn = forward_step_func(None, None)
         self.result = loss_fn(output)
+
+
+def _parse_args(extra_args_provider=None, ignore_unknown_args=False):
+    """megatron.training.arguments.parse_args: Megatron's flags, the extra provider's, then argv."""
+    parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
+    parser.add_argument("--grpo-kl-beta", type=float, default=0.0)
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser)
+    return parser.parse_known_args()[0] if ignore_unknown_args else parser.parse_args()
 
 
 def _loss_func(loss_mask, output_tensor):
@@ -174,9 +184,81 @@ def test_install_fails_clearly_when_a_symbol_is_missing(monkeypatch):
 
 
 def test_install_without_megatron_lm_says_to_put_it_on_pythonpath(monkeypatch):
-    monkeypatch.setitem(sys.modules, "megatron.rl", None)  # makes the import fail
-    with pytest.raises(mlm.MegatronLMVersionError, match="PYTHONPATH"):
+    monkeypatch.setitem(sys.modules, "megatron.rl", None)  # as with only the megatron-core wheel
+    with pytest.raises(mlm.MegatronLMVersionError, match="PYTHONPATH") as e:
         mlm.install()
+    assert "megatron.rl" in str(e.value) and "pip install" not in str(e.value)
+
+
+def _megatron_rl_importing(monkeypatch, tmp_path, package):
+    """A megatron.rl package on disk whose rl_utils imports `package`, which is not installed."""
+    (tmp_path / "rl").mkdir()
+    (tmp_path / "rl" / "rl_utils.py").write_text(f"import {package}\n")
+    rl = types.ModuleType("megatron.rl")
+    rl.__path__ = [str(tmp_path / "rl")]
+    monkeypatch.setitem(sys.modules, "megatron.rl", rl)
+    monkeypatch.delitem(sys.modules, "megatron.rl.rl_utils", raising=False)
+    monkeypatch.setitem(sys.modules, package, None)  # not installed, whatever this machine has
+
+
+def test_install_with_a_missing_package_names_it_and_the_extra_not_pythonpath(monkeypatch, tmp_path):
+    _megatron_rl_importing(monkeypatch, tmp_path, "pydantic")
+    with pytest.raises(ImportError) as e:
+        mlm.install()
+    msg = str(e.value)
+    assert "'pydantic'" in msg and 'pip install "megatron_cispo[megatron-lm]"' in msg
+    assert "pip install 'pydantic>=2'" in msg and "PYTHONPATH" not in msg and "\n" not in msg
+
+
+def test_setup_pys_megatron_lm_extra_installs_every_package_megatron_lms_entry_point_needs(monkeypatch):
+    """The extra is the recorded list (test_megatron_lm_checkout.py checks the list against a checkout)."""
+    import runpy
+    from pathlib import Path
+
+    import setuptools
+
+    seen = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kw: seen.update(kw))
+    runpy.run_path(str(Path(__file__).resolve().parents[2] / "setup.py"))
+    wanted = {"pydantic", "wandb", "tensorboard", "flask_restful", "tiktoken", "sentencepiece", "triton",
+              "transformers", "fastapi", "uvicorn", "httpx", "datasets", "six", "regex"}
+    assert set(mlm.API["entry_point_requirements"]) == wanted
+    assert sorted(seen["extras_require"]["megatron-lm"]) == patch.megatron_lm_extra()
+    assert {r.split(">")[0].replace("-", "_") for r in patch.megatron_lm_extra()} == wanted
+
+
+def test_launcher_reports_a_missing_package_in_one_line_and_exits_2(monkeypatch, tmp_path, capsys):
+    _megatron_rl_importing(monkeypatch, tmp_path, "pydantic")
+    script = tmp_path / "train_rl.py"
+    script.write_text("raise AssertionError('the script must not run when install() failed')\n")
+    monkeypatch.setattr(sys, "argv", ["run"])
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    assert launcher.main([str(script)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pydantic" in err and "Traceback" not in err
+
+
+def test_launcher_help_with_a_script_lists_megatrons_and_the_cispo_flags(monkeypatch, tmp_path, capsys):
+    """Megatron's ft_integration.setup() parses argv before the --cispo-* flags exist."""
+    _Tree(monkeypatch)
+    script = tmp_path / "train_rl.py"
+    script.write_text("from megatron.training import pretrain\npretrain(None, None, None, None)\n")
+    monkeypatch.setattr(sys, "argv", ["run"])
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    with pytest.raises(SystemExit) as e:
+        launcher.main([str(script), "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--grpo-kl-beta", "--cispo-anchor", "--cispo-policy-loss", "--cispo-temperature"):
+        assert flag in out, flag
+
+
+def test_launcher_help_without_a_script_lists_the_cispo_flags(capsys):
+    assert launcher.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "usage" in out and "train_rl.py --help" in out
+    for flag in mlm.settings.FLAGS:
+        assert flag in out, flag
 
 
 def test_patched_pretrain_adds_cispo_flags_and_reports_negated_loss(monkeypatch):

@@ -11,8 +11,10 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.metadata
+import importlib.util
 import inspect
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -26,11 +28,55 @@ API_FILE = Path(__file__).resolve().parent.parent / "megatron_lm_api_0_16.json"
 API: dict = json.loads(API_FILE.read_text())
 REPLACEMENTS: dict[str, Callable] = {"calculate_grpo_loss": calculate_grpo_loss, "get_logprobs": get_logprobs}
 NEG_LOSS_KEY = "neg lm loss"  # -('lm loss'): Megatron prints only positive keys, so one of the two shows
+HELP_FLAGS = {"-h", "--help"}
 _STASH = "_megatron_cispo_originals"  # on the patched module: name -> original object
 
 
 class MegatronLMVersionError(RuntimeError):
     """The running Megatron-LM does not have the API this integration was recorded against."""
+
+
+class MegatronLMDependencyError(ImportError):
+    """A package that Megatron-LM's RL code imports is not installed (the extra [megatron-lm])."""
+
+
+EXTRA = 'pip install "megatron_cispo[megatron-lm]"'
+
+
+def megatron_lm_extra() -> list[str]:
+    """The pip requirements of setup.py's extra [megatron-lm] (from the recorded API file)."""
+    return sorted(API["entry_point_requirements"].values())
+
+
+def _not_installed(name: str) -> bool:
+    if name in sys.modules:
+        return sys.modules[name] is None
+    try:
+        return importlib.util.find_spec(name) is None
+    except (ImportError, ValueError):
+        return True
+
+
+def _import_megatron(module: str) -> Any:
+    """Import one of Megatron-LM's modules; a failure says what is missing and how to get it."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        top = (e.name or "").split(".")[0]
+        if top == "megatron" or not top:
+            raise _version_error(module, f"importing {module} failed ({e}): megatron.rl and "
+                                 "megatron.training come with a Megatron-LM checkout, not the megatron-core "
+                                 "wheel; put the checkout first on PYTHONPATH (the launcher does it for "
+                                 "the script's directory)") from e
+        requirements = API["entry_point_requirements"]
+        others = [requirements[n] for n in requirements if n != top and _not_installed(n)]
+        also = f"; also missing: {', '.join(others)}" if others else ""
+        raise MegatronLMDependencyError(
+            f"megatron_cispo cannot patch Megatron-LM: importing {module} failed because the package "
+            f"{top!r} is not installed{also}. Install what Megatron-LM's RL entry point needs with "
+            f"{EXTRA} (or pip install {shlex.quote(requirements.get(top, top))})") from e
+    except ImportError as e:
+        raise _version_error(module, f"importing {module} failed ({type(e).__name__}: {e})") from e
 
 
 def found_version() -> str:
@@ -152,6 +198,11 @@ def _wrap_pretrain(original: Callable) -> Callable:
         bound.arguments["extra_args_provider"] = (
             settings.extra_args_provider if user is None
             else (lambda parser: settings.extra_args_provider(user(parser))))
+        if HELP_FLAGS & set(sys.argv[1:]):
+            # ft_integration.setup() parses argv without extra_args_provider before Megatron's
+            # own parse adds it, so its --help would list no --cispo-* flag: print the full help.
+            arguments = importlib.import_module(API["arguments_module"])
+            arguments.parse_args(extra_args_provider=bound.arguments["extra_args_provider"])  # exits
         step = bound.arguments["forward_step_func"]
         if not getattr(step, "_megatron_cispo_wrapped", False):
             bound.arguments["forward_step_func"] = with_signed_loss_report(step)
@@ -178,27 +229,24 @@ def install(config: Optional[LossConfig] = None, *, temperature: Optional[float]
     use. temperature: of the trainer's logprobs; None reads --cispo-temperature (default 1.0).
     patch_pretrain: wrap megatron.training.pretrain (adds --cispo-* flags and NEG_LOSS_KEY);
     needed unless the caller passes settings.extra_args_provider to pretrain itself.
-    Raises MegatronLMVersionError, naming the version found, when names or signatures differ.
+    Raises MegatronLMVersionError, naming the version found, when names or signatures differ or
+    megatron.rl is not importable (no checkout on the path), and MegatronLMDependencyError, naming
+    the package and the extra [megatron-lm], when Megatron-LM's code lacks a package it imports.
     """
-    try:
-        rl = importlib.import_module(API["rl_utils_module"])
-    except ImportError as e:
-        raise _version_error(API["rl_utils_module"], f"importing {API['rl_utils_module']} failed "
-                             f"({type(e).__name__}: {e}); put the Megatron-LM checkout on PYTHONPATH") from e
+    rl = _import_megatron(API["rl_utils_module"])
     check_rl_utils(rl)
     training = None
     if patch_pretrain:
-        try:
-            training = importlib.import_module(API["training_module"])
-        except ImportError as e:
-            raise _version_error(API["training_module"], f"importing {API['training_module']} failed: {e}") from e
-        pretrain = _original(training, "pretrain")
-        if pretrain is None:
-            raise _version_error(training, f"{API['training_module']} has no pretrain")
-        params = inspect.signature(pretrain).parameters
-        lacking = [p for p in API["pretrain"]["required_params"] if p not in params]
-        if lacking:
-            raise _version_error(training, f"{API['training_module']}.pretrain lacks parameter(s) {', '.join(lacking)}")
+        training = _import_megatron(API["training_module"])
+        arguments = _import_megatron(API["arguments_module"])
+        for module, name, spec in ((training, "pretrain", API["pretrain"]),
+                                   (arguments, "parse_args", API["parse_args"])):
+            fn = _original(module, name)
+            if fn is None:
+                raise _version_error(module, f"{module.__name__} has no {name}")
+            lacking = [p for p in spec["required_params"] if p not in inspect.signature(fn).parameters]
+            if lacking:
+                raise _version_error(module, f"{module.__name__}.{name} lacks parameter(s) {', '.join(lacking)}")
     settings.configure(config, temperature=temperature)
     for name, new in REPLACEMENTS.items():
         _patch(rl, name, new)
