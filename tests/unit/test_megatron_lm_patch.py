@@ -221,7 +221,7 @@ def test_setup_pys_megatron_lm_extra_installs_every_package_megatron_lms_entry_p
     monkeypatch.setattr(setuptools, "setup", lambda **kw: seen.update(kw))
     runpy.run_path(str(Path(__file__).resolve().parents[2] / "setup.py"))
     wanted = {"pydantic", "wandb", "tensorboard", "flask_restful", "tiktoken", "sentencepiece", "triton",
-              "transformers", "fastapi", "uvicorn", "httpx", "datasets", "six", "regex"}
+              "transformers", "fastapi", "uvicorn", "httpx", "datasets", "six", "regex", "tqdm"}
     assert set(mlm.API["entry_point_requirements"]) == wanted
     assert sorted(seen["extras_require"]["megatron-lm"]) == patch.megatron_lm_extra()
     assert {r.split(">")[0].replace("-", "_") for r in patch.megatron_lm_extra()} == wanted
