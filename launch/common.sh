@@ -85,38 +85,13 @@ preflight() {
   "$PY" -m megatron_cispo.train --check --world-size "$world" "$config" "$@" > /dev/null
 }
 
-# run_torchrun WAITED_FOR TORCHRUN_ARGS...: exec torch.distributed.run. When its rendezvous fails
-# (a node did not come within the rendezvous timeout, or the port is taken), the agent's traceback
-# is replaced by one line: WAITED_FOR, then torch's own message; exit 1.
+# run_torchrun WAITED_FOR TORCHRUN_ARGS...: exec torch.distributed.run through launch/run_torchrun.py.
+# When its rendezvous fails (a node did not come within the rendezvous timeout, or the port is
+# taken), the agent's traceback is replaced by one line: WAITED_FOR, then torch's own message; exit 1.
+# When the ranks stop with one of train.py's reported exit codes (2 config error, 3 non-finite, 4 peer
+# lost, 5 preempted), rank 0's one line is all that is printed and the script exits with that code.
 run_torchrun() {
   local waited_for=$1
   shift
-  exec "$PY" -c "$_RUN_TORCHRUN_PY" "$LAUNCH_SCRIPT" "$waited_for" "$@"
+  exec "$PY" "$ROOT/launch/run_torchrun.py" "$LAUNCH_SCRIPT" "$waited_for" "$@"
 }
-_RUN_TORCHRUN_PY='
-import os
-import sys
-import traceback
-
-# c10 reads its log level once, at import: raising it here hides the C++ stack dump the agent logs
-# per connection retry while a node waits for node 0, and the workers still get the user setting.
-user_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
-if user_level is None:
-    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
-from torch.distributed.run import main
-if user_level is None:
-    del os.environ["TORCH_CPP_LOG_LEVEL"]
-
-script, waited_for = sys.argv[1:3]
-try:
-    main(sys.argv[3:])
-except Exception as e:
-    # only failures of the agent rendezvous (joining the store, then agreeing on ranks) get one line
-    if "_rendezvous" not in {frame.name for frame in traceback.extract_tb(e.__traceback__)}:
-        raise
-    torch_says = (str(e).strip().splitlines() or [""])[0] or type(e).__name__
-    if "EADDRINUSE" in torch_says:
-        waited_for = "the rendezvous port is already in use on this machine (another job?): set MASTER_PORT to a free port"
-    print(f"{script}: {waited_for} (torch: {torch_says})", file=sys.stderr)
-    sys.exit(1)
-'

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One node, one process per GPU (or NPROC CPU processes over gloo when there is no GPU).
-#   bash launch/single_node.sh yaml_configs/demo_cpu.yaml loss.cispo.anchor=rollout
+#   bash launch/single_node.sh yaml_configs/demo_cpu.yaml loss.cispo.anchor=old
 #   NPROC=8 bash launch/single_node.sh yaml_configs/gpu_template.yaml run.steps=100
 # Env: NPROC (default: the GPU count, else 4), MASTER_PORT (default 29500), PY (python to use).
 source "$(dirname "$0")/common.sh"

@@ -3,8 +3,9 @@
     lp = fused_token_logprobs(hidden, output_weight, targets, sequence_parallel=sp)   # [s, b] fp32
 
 Same numbers as token_logprobs(F.linear(hidden, weight), targets): each chunk of rows' logits is
-made by one matmul and fed to logprobs.py's chunk statistics; backward recomputes it from the saved
-hidden, weight and row statistics, and accumulates the weight gradient chunk by chunk.
+made by one matmul and fed to vocab_softmax.py's chunk statistics (which token_logprobs uses too);
+backward recomputes it from the saved hidden, weight and row statistics, and accumulates the weight
+gradient chunk by chunk.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from .vocab_softmax import (DTYPES, IGNORE_INDEX, Plan, check_devices, chunk_gra
 # Newer torch renames the tensor collectives (the old names warn); older torch has only the old.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-# The default chunk (logprobs.py's CHUNK_BYTES) holds as few as 32 rows at a 32k vocabulary on
+# The default chunk (vocab_softmax.py's CHUNK_BYTES) holds as few as 32 rows at a 32k vocabulary on
 # CPU: too few for a matmul to run near peak (measured 1.5x slower than 128 rows, s=512, h=256).
 _MIN_DEFAULT_CHUNK_ROWS = 128
 

@@ -1,7 +1,7 @@
 """Run an RL experiment described by a YAML file (see docs/configuration.md).
 
     python -m megatron_cispo.train yaml_configs/demo_cpu.yaml run.steps=10        # one process
-    torchrun --nproc-per-node 4 -m megatron_cispo.train yaml_configs/demo_cpu.yaml loss.cispo.anchor=rollout
+    torchrun --nproc-per-node 4 -m megatron_cispo.train yaml_configs/demo_cpu.yaml loss.cispo.anchor=old
     python -m megatron_cispo.train --check yaml_configs/gpu_template.yaml --world-size 16   # validate only
 
 Exit codes: 0 done; 2 (EXIT_CONFIG) a bad config, reported once (by rank 0) with its key path
@@ -10,9 +10,11 @@ before any process group exists, so a typo never becomes a traceback from each r
 skipped for a non-finite loss or gradient, reported in one line by rank 0 (metrics.jsonl holds
 those steps, their non-finite values as null); 4 (EXIT_PEER_LOST) a rank stopped answering for
 longer than run.dist_timeout_s, named in one line by rank 0 (or, when rank 0 is the one, by the
-first rank to notice; gloo only, see docs/troubleshooting.md for NCCL); 5 (EXIT_PREEMPTED) SIGTERM:
-every rank finished the step and a checkpoint was written, rank 0 says where; rerun with
-run.resume=true. A config that differs across ranks (an ${ENV} value) is an EXIT_CONFIG error
+first rank to notice; gloo only, see docs/troubleshooting.md for NCCL); 5 (EXIT_PREEMPTED) SIGTERM,
+SIGINT (Ctrl-C) or SIGHUP: every rank finished the step and a checkpoint was written, rank 0 says
+where; rerun with run.resume=true (a second Ctrl-C stops at once without one: 130); 6
+(EXIT_SAVE_FAILED) a checkpoint could not be written (a full disk), rank 0 names the file and the
+free space. A config that differs across ranks (an ${ENV} value) is an EXIT_CONFIG error
 naming the keys and each rank's value. Under torchrun the launcher's own exit code is 1; its
 summary lists each worker's code.
 """
@@ -26,11 +28,15 @@ from .config import ConfigError
 from .integrations.plugins import PluginImportError, load_plugins
 from .losses import required_inputs
 from .runner.experiment import dump_yaml, load_experiment, resolve_world
+from .runner.rundir import check_run_dir
 
 EXIT_CONFIG = 2
 EXIT_NONFINITE = 3
 EXIT_PEER_LOST = 4
 EXIT_PREEMPTED = 5
+EXIT_SAVE_FAILED = 6
+# Exit codes whose reason rank 0 has printed in one line (launch/run_torchrun.py passes them on quietly).
+REPORTED_EXIT_CODES = (EXIT_CONFIG, EXIT_NONFINITE, EXIT_PEER_LOST, EXIT_PREEMPTED, EXIT_SAVE_FAILED)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -73,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         if "ref_logprobs" in required_inputs(cfg.loss):
             raise ConfigError(f"loss.kl.coef: the demo trains without a reference policy, so kl.coef must "
                               f"be 0, got {cfg.loss.kl.coef}")
+        if args.check:  # what rank 0 would refuse at start-up, said before any rank starts
+            check_run_dir(cfg.run.run_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite)
     except (ConfigError, PluginImportError) as e:
         return _report(args.config, e)
     if args.check:
@@ -83,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from .demo.loop import NonFiniteStop, run
     from .runner.peers import PeerLost
+    from .runner.checkpoint import SaveFailed
     from .runner.preempt import Preempted
 
     try:
@@ -95,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_PEER_LOST
     except Preempted:  # rank 0 printed where the checkpoint is
         return EXIT_PREEMPTED
+    except SaveFailed:  # rank 0 printed which file, why and the free space
+        return EXIT_SAVE_FAILED
     return 0
 
 

@@ -1,7 +1,9 @@
-"""A bad config under a 4-rank launch is reported once and exits non-zero, with no traceback per rank."""
+"""A bad config under a 4-rank launch is reported once and exits non-zero, with no traceback per rank; through
+the launch scripts it is one line and exit code 2, whether --check finds it or the ranks do."""
 import subprocess
 
 from e2e_helpers import DEMO, ROOT, env, torchrun
+from megatron_cispo.testing import free_port
 
 MESSAGE = "model.hidden_sise: unknown key"
 
@@ -56,3 +58,30 @@ def test_kl_without_a_reference_policy_is_rejected_before_launch():
     proc = _check("loss.kl.coef=0.1")
     assert proc.returncode == 2
     assert "loss.kl.coef: the demo trains without a reference policy, so kl.coef must be 0, got 0.1" in proc.stderr
+
+
+def _launch(*args, timeout=180):
+    return subprocess.run(["bash", "launch/single_node.sh", DEMO, "parallelism.tp=1", *args], cwd=ROOT,
+                          env={**env(), "NPROC": "2", "MASTER_PORT": str(free_port())}, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_a_run_dir_holding_a_run_is_refused_by_the_launch_preflight_before_any_rank_starts(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    proc = _launch(f"run.run_dir={tmp_path}")
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode == 2, lines[-30:]
+    assert lines == [f"config error in {DEMO}: run.run_dir={tmp_path} already holds a run (metrics.jsonl); set "
+                     f"run.resume=true to continue it, run.overwrite=true to move it aside to "
+                     f"{tmp_path}/previous_<time>/, or choose another run.run_dir"], lines[-30:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no rank took the lock
+
+
+def test_a_config_error_raised_on_the_ranks_is_one_line_and_exit_2_through_the_launch_script(tmp_path):
+    # ${RANK} differs per rank, so --check passes and the ranks' start-up consistency check refuses it.
+    proc = _launch('run.name="r${RANK:-0}"', f"run.run_dir={tmp_path}")
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode == 2, lines[-40:]
+    assert len(lines) == 1, lines[-40:]  # no torchrun failure summary, traceback or agent log lines
+    assert lines[0].startswith(f"config error in {DEMO}: the resolved config differs across ranks") and \
+        "run.name: rank 0: 'r0', rank 1: 'r1'" in lines[0], lines

@@ -6,6 +6,7 @@ take milliseconds and prove that neither the config check nor torchrun was start
 """
 import os
 import re
+import signal
 import socket
 import subprocess
 import time
@@ -147,3 +148,27 @@ def test_a_taken_port_is_one_line_naming_master_port():
     last = text.strip().splitlines()[-1]
     assert last.startswith("single_node.sh: the rendezvous port is already in use") and "MASTER_PORT" in last
     assert str(port) in last
+
+
+def test_sigterm_to_the_launch_script_keeps_the_workers_exit_code_5_and_prints_no_traceback(tmp_path):
+    # torchrun itself gets the signal (as from a scheduler), forwards it, and the ranks checkpoint and exit 5.
+    run_dir = tmp_path / "run"
+    out = tmp_path / "out.txt"
+    with open(out, "w") as f:
+        proc = subprocess.Popen(["bash", "launch/single_node.sh", DEMO, "parallelism.tp=1", "run.steps=200",
+                                 "run.log_interval=1", f"run.run_dir={run_dir}"], cwd=ROOT, stdout=f,
+                                stderr=subprocess.STDOUT, env=_clean_env(NPROC="2", MASTER_PORT=str(free_port())))
+    try:
+        deadline = time.monotonic() + 150
+        while not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "metrics.jsonl").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()[-3000:]
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)  # the script exec'd the launcher: this is torchrun's agent
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = out.read_text()
+    assert proc.returncode == 5, text[-3000:]
+    assert "Traceback" not in text and "death signal" not in text and "closing signal" not in text, text[-3000:]
+    assert text.count("stopped by SIGTERM after step") == 1, text[-3000:]

@@ -1,0 +1,106 @@
+"""torch.distributed.run for the launch scripts (launch/common.sh run_torchrun): the same launcher, with
+one line instead of a traceback where the ranks or the rendezvous have already said what happened.
+
+    python launch/run_torchrun.py SCRIPT WAITED_FOR [torchrun arguments ...]
+
+- The rendezvous fails (a node did not come in time, the port is taken): one line, SCRIPT: WAITED_FOR
+  and then torch's own message; exit 1.
+- The workers stop with one of train.py's reported exit codes (2 config error, 3 non-finite stop,
+  4 peer lost, 5 preempted), every worker that failed with the same one, also when torchrun itself
+  got the SIGTERM/SIGINT and forwarded it: rank 0 has printed the one line, so torchrun's failure
+  summary, traceback and log lines about it are left out, and this exits with that code.
+- Anything else (a crash, a signal the workers did not handle, mixed codes): torchrun's own output
+  and exit code 1.
+"""
+import logging
+import os
+import sys
+import traceback
+from pathlib import Path
+
+# c10 reads its log level once, at import: raising it here hides the C++ stack dump the agent logs
+# per connection retry while a node waits for node 0, and the workers still get the user setting.
+user_level = os.environ.get("TORCH_CPP_LOG_LEVEL")
+if user_level is None:
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+from torch.distributed.elastic.multiprocessing import api as workers_api  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
+from torch.distributed.run import main  # noqa: E402
+
+if user_level is None:
+    del os.environ["TORCH_CPP_LOG_LEVEL"]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # megatron_cispo, as the workers' -m finds it
+
+# The agent's log lines about stopping workers, held until we know whether a rank said why already.
+HELD = {"torch.distributed.elastic.multiprocessing.api": ("failed (exitcode: ", "Sending process "),
+        "torch.distributed.elastic.agent.server.api": ("Received %s death signal",)}
+
+
+class HeldLogs(logging.Filter):
+    def __init__(self):
+        super().__init__()
+        self.records = []
+        for name in HELD:
+            logging.getLogger(name).addFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and record.msg.startswith(HELD.get(record.name, ())):
+            self.records.append(record)
+            return False
+        return True
+
+    def release(self) -> None:
+        """Log the held lines after all: torchrun's output as it would have been."""
+        for name in HELD:
+            logging.getLogger(name).removeFilter(self)
+        for record in self.records:
+            logging.getLogger(record.name).handle(record)
+
+
+# Exit codes of the workers the agent stopped after torchrun got a signal (it raises SignalException,
+# which carries none). Recorded by wrapping the agent's SubprocessContext._close (torch >= 2.1).
+closed_codes: dict[int, int | None] = {}
+_close = getattr(workers_api.SubprocessContext, "_close", None)
+if _close is not None:
+    def _close_and_record(self, *args, **kwargs):
+        _close(self, *args, **kwargs)
+        closed_codes.update({rank: h.proc.poll() for rank, h in self.subprocess_handlers.items()})
+
+    workers_api.SubprocessContext._close = _close_and_record
+
+
+def reported(codes) -> int | None:
+    """The one exit code all `codes` share when it is one whose reason rank 0 printed, else None."""
+    from megatron_cispo.train import REPORTED_EXIT_CODES  # only on failure: the launcher starts lean
+
+    codes = set(codes)
+    return codes.pop() if len(codes) == 1 and codes <= set(REPORTED_EXIT_CODES) else None
+
+
+script, waited_for = sys.argv[1:3]
+held = HeldLogs()
+try:
+    main(sys.argv[3:])
+except ChildFailedError as e:
+    code = reported(failure.exitcode for failure in e.failures.values())
+    if code is None:
+        held.release()
+        raise
+    sys.exit(code)
+except workers_api.SignalException:
+    code = reported(closed_codes.values()) if closed_codes else None
+    if code is None:
+        held.release()
+        raise
+    sys.exit(code)
+except Exception as e:
+    held.release()
+    # only failures of the agent rendezvous (joining the store, then agreeing on ranks) get one line
+    if "_rendezvous" not in {frame.name for frame in traceback.extract_tb(e.__traceback__)}:
+        raise
+    torch_says = (str(e).strip().splitlines() or [""])[0] or type(e).__name__
+    if "EADDRINUSE" in torch_says:
+        waited_for = "the rendezvous port is already in use on this machine (another job?): set MASTER_PORT to a free port"
+    print(f"{script}: {waited_for} (torch: {torch_says})", file=sys.stderr)
+    sys.exit(1)
+held.release()

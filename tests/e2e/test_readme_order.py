@@ -1,0 +1,46 @@
+"""The README's commands work one after another in a fresh clone, and the demo tables in README.md and
+docs/launch.md are what `bash launch/demo.sh` prints (every column but the wall time).
+
+Both read the session's `readme_run` (tests/e2e/conftest.py): one demo run serves every check.
+"""
+import re
+import shlex
+
+from e2e_helpers import ROOT
+from readme_helpers import README, SHORT, readme_commands
+
+ROW = re.compile(r"^(cispo:\S+)((?:\s+\S+){9})\s+\d+s$", re.M)  # a table row; the last column is the time
+
+
+def _rows(text: str) -> dict[str, list[str]]:
+    """{run label: every column but the time} of each demo table row in `text`."""
+    return {m[1]: m[2].split() for m in ROW.finditer(text)}
+
+
+def test_the_readme_lists_the_commands_this_test_runs():
+    commands = readme_commands(README.read_text())
+    assert commands[0] == "bash launch/demo.sh", commands  # the main job comes first
+    assert any("megatron_cispo.train" in c for c in commands) and any("single_node.sh" in c for c in commands)
+
+
+def test_readme_commands_run_in_readme_order_each_into_its_own_default_run_dir(readme_run):
+    assert len(readme_run.ran) >= 3, (readme_run.ran, readme_run.skipped)
+    for cmd, proc in readme_run.ran:
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"{cmd!r} (run after the ones before it) exited {proc.returncode}:\n{out[-4000:]}"
+    runs = readme_run.clone / "runs"
+    assert (runs / "demo" / "comparison.png").stat().st_size > 0
+    for anchor in ("rollout", "old"):
+        assert (runs / "demo" / anchor / "metrics.jsonl").is_file()
+    for cmd, _ in readme_run.ran[1:]:  # each YAML run wrote into runs/<its yaml's name>/
+        yaml = next(w for w in shlex.split(cmd) if w.startswith("yaml_configs/"))
+        run_dir = runs / yaml.removeprefix("yaml_configs/").removesuffix(".yaml")
+        steps = int(SHORT[0].split("=")[1])
+        assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == steps, (cmd, run_dir)
+
+
+def test_demo_tables_in_the_docs_are_what_the_demo_prints(readme_run):
+    printed = _rows(readme_run.output("bash launch/demo.sh"))
+    assert set(printed) == {"cispo:rollout", "cispo:old"}, readme_run.output("bash launch/demo.sh")[-3000:]
+    for doc in (README, ROOT / "docs" / "launch.md"):
+        assert _rows(doc.read_text()) == printed, f"{doc.name}'s demo table differs from what the demo printed"
