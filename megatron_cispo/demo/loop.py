@@ -6,9 +6,10 @@ Each step t: the sampler produces the global batch with policy version max(0, t 
 this rank trains on its DP shard with exactly one optimizer step (policy_step); the trainer's
 TP/PP shards are gathered (`gather_full_state`) and pushed to the sampler as version t + 1.
 A step whose loss or gradient is non-finite is skipped by policy_step on every rank; after
-run.max_consecutive_skips of them in a row the run stops with NonFiniteStop. On SIGTERM every rank
-finishes the step, a checkpoint is written and the run stops with Preempted (runner/preempt.py); a
-rank that stops answering is named by PeerLost (runner/peers.py, gloo).
+run.max_consecutive_skips of them in a row the run stops with NonFiniteStop. On SIGTERM, SIGINT
+(Ctrl-C) or SIGHUP every rank finishes the step, a checkpoint is written and the run stops with
+Preempted (runner/preempt.py); a rank that stops answering is named by PeerLost (runner/peers.py,
+gloo). A resume checks the checkpoint's config against this one (runner/resume_check.py).
 """
 from __future__ import annotations
 
@@ -22,8 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ConfigError
-from ..runner import checkpoint, rundir
-from ..runner import peers, preempt
+from ..runner import checkpoint, checkpoint_files, peers, preempt, resume_check, rundir
 from ..runner.experiment import ExperimentConfig, dump_yaml
 from ..step.policy_step import NONFINITE_CHECKS
 from .metrics import MetricsWriter, finite_record, headline
@@ -82,7 +82,8 @@ def run(cfg: ExperimentConfig) -> None:
 
     Raises ConfigError (the same on every rank) for a layout or checkpoint that cannot be used,
     and NonFiniteStop (likewise) after run.max_consecutive_skips skipped steps in a row, Preempted
-    (likewise) after SIGTERM, PeerLost when a rank stopped answering (gloo).
+    (likewise) after SIGTERM, SIGINT or SIGHUP, SaveFailed (likewise) when a checkpoint could not be
+    written, PeerLost when a rank stopped answering (gloo).
     """
     if cfg.model.dtype == "bf16" and not torch.cuda.is_available():
         raise ConfigError("model.dtype: 'bf16' needs CUDA (megatron's mixed-precision optimizer wraps only "
@@ -90,13 +91,18 @@ def run(cfg: ExperimentConfig) -> None:
     from ..runner import distributed
 
     p = cfg.parallelism
+    preempt.install()  # from here a signal stops the run after a step, with a checkpoint
     try:
         env = distributed.init_distributed(tp=p.tp, pp=p.pp, vp=p.vp, cp=p.cp, ep=p.ep, seed=cfg.run.seed,
                                            timeout_s=cfg.run.dist_timeout_s, config_text=dump_yaml(cfg))
-    except ConfigError:  # the config differs across ranks; it names the keys
-        raise
     except ValueError as e:  # a layout this runtime cannot run; raised identically on every rank
+        preempt.uninstall()
+        if isinstance(e, ConfigError):  # the config differs across ranks; it names the keys
+            raise
         raise ConfigError(f"parallelism: {e}") from e
+    except BaseException:
+        preempt.uninstall()
+        raise
     owned = None
     try:
         # Before anything is written: one job per run_dir, and a fresh run never mixes with an old one.
@@ -108,7 +114,8 @@ def run(cfg: ExperimentConfig) -> None:
             trainer.writer = _open_log(trainer, start, last, owned.moved_to)
         _train(trainer, start)
     except RuntimeError as e:  # a collective timed out: name the rank that stopped answering
-        if not isinstance(e, (NonFiniteStop, preempt.Preempted, peers.PeerLost)) and not preempt.requested():
+        stopped = (NonFiniteStop, preempt.Preempted, checkpoint.SaveFailed, peers.PeerLost)
+        if not isinstance(e, stopped) and not preempt.requested():
             peers.explain_lost_peer(e, env.health, rank=env.rank, timeout_s=env.timeout_s)
         raise
     finally:
@@ -149,7 +156,12 @@ def _resume(t: _Trainer):
     if last is None:
         t.sampler.sync(0, gather_full_state(t.chunks))
         return 0, None
-    return checkpoint.load(last, chunks=t.chunks, optimizer=t.optimizer, shared={"sampler": t.sampler}), last
+    # Every rank reads the same file (run_dir is shared), so a refusal is the same ConfigError everywhere.
+    changes = resume_check.resume_changes(checkpoint_files.read_config(last), t.cfg, path=last)
+    start = checkpoint.load(last, chunks=t.chunks, optimizer=t.optimizer, shared={"sampler": t.sampler})
+    if changes and t.env.rank == 0:
+        print(resume_check.changed_settings_warning(last, changes, start), file=sys.stderr, flush=True)
+    return start, last
 
 
 def _open_log(t: _Trainer, start: int, last, moved_to) -> MetricsWriter:
@@ -157,7 +169,15 @@ def _open_log(t: _Trainer, start: int, last, moved_to) -> MetricsWriter:
     cfg, p, env = t.cfg, t.cfg.parallelism, t.env
     writer = MetricsWriter(cfg.run.run_dir, label=cfg.label, total_steps=cfg.run.steps,
                            log_interval=cfg.run.log_interval, start_step=start, tensorboard=cfg.run.tensorboard)
-    (writer.dir / "config.yaml").write_text(dump_yaml(cfg))
+    text = dump_yaml(cfg)
+    (writer.dir / "config.yaml").write_text(text)  # the config of this start; config_history/ keeps every start's
+    history = writer.dir / "config_history"
+    history.mkdir(exist_ok=True)
+    n = len(list(history.glob("start_*.yaml"))) + 1
+    while list(history.glob(f"start_{n:03d}_*")):
+        n += 1
+    with open(history / f"start_{n:03d}_at_step_{start:06d}.yaml", "x") as f:  # "x": never over an earlier one
+        f.write(text)
     resumed = f", resumed from {last}" if last is not None else ""
     if moved_to is not None:
         resumed += f"; the earlier run in {cfg.run.run_dir} was moved to {moved_to}"
@@ -172,7 +192,6 @@ def _train(t: _Trainer, start: int) -> None:
     """Collective: steps start .. run.steps - 1, each followed by the stopping checks; rank 0 finishes the log."""
     cfg = t.cfg
     t_start, skips = time.perf_counter(), 0
-    preempt.install()
     for step in range(start, cfg.run.steps):
         t0 = time.perf_counter()
         batch, metrics, lr = _step(t, step)
@@ -207,15 +226,19 @@ def _step(t: _Trainer, step: int):
 
 def _checkpoint_or_preempt(t: _Trainer, step: int) -> None:
     """Collective: a checkpoint after step `step` every run.checkpoint_interval steps, and when any
-    rank has been signalled (then Preempted)."""
+    rank has been signalled (then Preempted); SaveFailed when the checkpoint could not be written."""
     cfg = t.cfg
-    stop = preempt.agreed(t.env.device)  # SIGTERM on any rank: all stop after this step
+    signum = preempt.agreed(t.env.device)  # a signal on any rank: all stop after this step
     saved = None
-    if stop or cfg.run.checkpoint_interval and (step + 1) % cfg.run.checkpoint_interval == 0:
-        saved = checkpoint.save(cfg.run.run_dir, step + 1, chunks=t.chunks, optimizer=t.optimizer,
-                                shared={"sampler": t.sampler}, keep=cfg.run.checkpoint_keep)
-    if stop:
-        _stop(t, preempt.Preempted(preempt.stop_message(cfg.label, step + 1, saved)))
+    if signum or cfg.run.checkpoint_interval and (step + 1) % cfg.run.checkpoint_interval == 0:
+        try:
+            saved = checkpoint.save(cfg.run.run_dir, step + 1, chunks=t.chunks, optimizer=t.optimizer,
+                                    shared={"sampler": t.sampler}, keep=cfg.run.checkpoint_keep,
+                                    config=dump_yaml(cfg))
+        except checkpoint.SaveFailed as e:
+            _stop(t, e)
+    if signum:
+        _stop(t, preempt.Preempted(preempt.stop_message(cfg.label, step + 1, saved, signum)))
 
 
 def _stop(t: _Trainer, error: Exception) -> None:

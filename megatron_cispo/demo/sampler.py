@@ -71,8 +71,12 @@ class Sampler:
         self.versions: dict[int, dict[str, Tensor]] = {}  # policy version -> full fp32 state
 
     def version_for(self, step: int) -> int:
-        """The policy version used for rollouts of 0-based `step` (the trainer is at version step)."""
-        return max(0, step - self.cfg.staleness)
+        """The policy version used for rollouts of 0-based `step` (the trainer is at version step):
+        step - staleness, or the oldest version held when that one is older. That happens only after
+        a resume with a larger rollout.staleness (the checkpoint holds the versions the old one
+        needed); the lag then grows to the new staleness one step at a time."""
+        want = max(0, step - self.cfg.staleness)
+        return max(want, min(self.versions)) if self.versions else want
 
     def sync(self, version: int, full_state: dict[str, Tensor]) -> None:
         """Receive the trainer's weights after `version` optimizer steps; drop versions never needed again."""

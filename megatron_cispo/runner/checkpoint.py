@@ -7,8 +7,9 @@
 A checkpoint is run_dir/checkpoints/step_<step>/: the model chunks' and the optimizer's sharded
 state dicts and every rank's RNG states in dist_checkpointing's torch_dist format (`__<rank>_0.distcp`,
 `.metadata`, `common.pt`, `metadata.json`), `<name>.pt` for each object in `shared` (rank 0; objects
-with state_dict()/load_state_dict() that are the same on every rank, like the demo's sampler), and a
-COMPLETE marker (JSON: step, layout, shared names). It is written under .step_<step>.tmp/, every file
+with state_dict()/load_state_dict() that are the same on every rank, like the demo's sampler), the
+experiment's config.yaml when save() is given it, and a COMPLETE marker (JSON: step, layout, shared
+names). The optimizer's state (moments, steps) is loaded; its settings stay those it was built with. It is written under .step_<step>.tmp/, every file
 and the directory fsynced, COMPLETE last, then renamed into place; files_ (checkpoint_files.py) names,
 verifies and prunes them. Tensors are resharded on load, so the model and optimizer resume on any
 layout; RNG states are restored only on the layout that saved them (as Megatron-LM does). A
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..config import ConfigError
 from . import checkpoint_files as files_
@@ -108,6 +110,15 @@ def _sgd_init_state(opt, config=None) -> None:
                 opt.state[p].setdefault("momentum_buffer", torch.zeros_like(p.data))
 
 
+# Param-group settings the optimizer is built with from the config; load_state_dict would replace them
+# by the checkpoint's (lr is set before every step, clip_grad lives in the optimizer's config).
+_SETTINGS = ("weight_decay", "betas", "eps", "momentum")
+
+
+def _settings(optimizer) -> list[dict]:
+    return [{k: g[k] for k in _SETTINGS if k in g} for g in optimizer.param_groups]
+
+
 def _optimizer_count(optimizer) -> int:
     return len(getattr(optimizer, "chained_optimizers", [optimizer]))
 
@@ -146,24 +157,32 @@ def _sync_save_strategy():
     return SyncTorchDistSave("torch_dist", 1)
 
 
-def save(run_dir, step: int, *, chunks, optimizer, shared: dict, keep: int) -> Path:
-    """Collective: write checkpoint `step`, rename it into place, prune to `keep`; returns its path."""
+class SaveFailed(RuntimeError):
+    """A checkpoint could not be written (a full disk, a quota, a lost mount): raised alike on every
+    rank, its one line names the file, the error and the free space; the temporary directory is
+    removed and the earlier checkpoints are untouched."""
+
+
+def save(run_dir, step: int, *, chunks, optimizer, shared: dict, keep: int, config: str = "") -> Path:
+    """Collective: write checkpoint `step` (with `config`, the experiment's YAML, as config.yaml when
+    given), rename it into place, prune to `keep`; returns its path. SaveFailed when a write fails."""
     from megatron.core import dist_checkpointing
 
     rank, final, tmp = dist.get_rank(), files_.step_dir(run_dir, step), files_.tmp_dir(run_dir, step)
-    if rank == 0:
+
+    def start() -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
         tmp.mkdir(parents=True)
-    dist.barrier()
-    dist_checkpointing.save(_sharded_state_dict(chunks, optimizer, loading=False, with_rng=True), str(tmp),
-                            sharded_strategy=_sync_save_strategy())
-    if rank == 0:
+
+    def write_rank0_files() -> None:
         for name, obj in shared.items():
             files_.write_durable(tmp / f"{name}.pt", lambda f, o=obj: torch.save(o.state_dict(), f))
+        if config:
+            files_.write_durable(tmp / files_.CONFIG, lambda f: f.write(config.encode()))
         for p in tmp.iterdir():  # rank 0's own files (common.pt, metadata.json); shards were fsynced by their writers
             files_.fsync_path(p)
-    dist.barrier()  # every rank's shard is on disk
-    if rank == 0:
+
+    def finish() -> None:
         files_.write_marker(tmp, {"step": step, "format": files_.FORMAT, "layout": _layout(),
                                   "optimizers": _optimizer_count(optimizer), "shared": sorted(shared)})
         files_.fsync_path(tmp)
@@ -175,8 +194,39 @@ def save(run_dir, step: int, *, chunks, optimizer, shared: dict, keep: int) -> P
         os.replace(tmp, final)
         files_.fsync_path(final.parent)
         files_.prune(run_dir, keep=keep, newest=final)
-    dist.barrier()
+
+    _on_rank0(start, run_dir, step)
+    try:  # every rank writes its shard; torch gathers the ranks' errors, so all raise alike
+        dist_checkpointing.save(_sharded_state_dict(chunks, optimizer, loading=False, with_rng=True), str(tmp),
+                                sharded_strategy=_sync_save_strategy())
+    except (OSError, CheckpointException) as e:  # noqa: B014 - CheckpointException is a BaseException
+        _on_rank0(lambda: None, run_dir, step, failed=files_.describe_error(e))
+    _on_rank0(write_rank0_files, run_dir, step)  # after every rank's shard is on disk
+    _on_rank0(finish, run_dir, step)
     return final
+
+
+def _on_rank0(fn, run_dir, step: int, failed: str | None = None) -> None:
+    """Collective: run `fn` on rank 0, then every rank learns whether it (or, with `failed`, an
+    earlier collective part) failed; on failure rank 0 removes the temporary directory and every
+    rank raises the same SaveFailed. One broadcast, which also orders the ranks like a barrier."""
+    box = [failed]
+    if dist.get_rank() == 0 and failed is None:
+        try:
+            fn()
+        except OSError as e:
+            box[0] = files_.describe_error(e) + (f" ({e.filename})" if e.filename else "")
+    if dist.get_rank() == 0 and box[0] is not None:
+        tmp = files_.tmp_dir(run_dir, step)
+        written = files_.tree_bytes(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(files_.root(run_dir)).free if files_.root(run_dir).is_dir() else 0
+        box[0] = (f"checkpoint of step {step} not written: {box[0]}; {tmp} ({written / 2**20:.1f} MiB written) was "
+                  f"removed, {free / 2**20:.1f} MiB are free in {files_.root(run_dir)}; the earlier checkpoints "
+                  "are untouched. Free space (or set run.checkpoint_keep lower) and resume with run.resume=true")
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise SaveFailed(box[0])
 
 
 def resume_point(run_dir: str | os.PathLike) -> Path | None:
@@ -233,10 +283,15 @@ def load(path: Path, *, chunks, optimizer, shared: dict) -> int:
         models = unwrap_model(list(chunks))
         for i, m in enumerate(models):
             m.load_state_dict(state["model" if len(models) == 1 else f"model{i}"])
+        settings = _settings(optimizer)
         optimizer.load_state_dict(state["optimizer"])
-    except Exception as e:  # noqa: BLE001 - torch.distributed.checkpoint gathers every rank's read errors
-        raise ConfigError(f"run.resume: cannot load the model and optimizer from {path}: "
-                          f"{files_.describe_error(e)}") from e
+        for group, kept in zip(optimizer.param_groups, settings):
+            group.update(kept)
+    # CheckpointException (every rank's read errors, gathered) derives from BaseException, not Exception
+    except (Exception, CheckpointException) as e:  # noqa: BLE001
+        settings_file = f" (its settings: {path / files_.CONFIG})" if (path / files_.CONFIG).is_file() else ""
+        raise ConfigError(f"run.resume: cannot load the model and optimizer from {path}: {files_.describe_error(e)}; "
+                          f"it was saved by another model or optimizer{settings_file}") from None
     if same_layout:
         _set_rng_state(state["rng_state"])
     for name, obj in shared.items():

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 MARKER = "COMPLETE"
+CONFIG = "config.yaml"  # the resolved experiment config that trained up to this checkpoint
 FORMAT = "megatron.core.dist_checkpointing/torch_dist"
 _NAME = re.compile(r"step_(\d+)")
 _LEFTOVER = re.compile(r"\.step_(\d+)\.(tmp|old)")  # a save that crashed
@@ -51,6 +52,11 @@ def complete(run_dir: str | os.PathLike) -> list[Path]:
     return [p for p in step_dirs(run_dir) if (p / MARKER).is_file()]
 
 
+def tree_bytes(path: Path) -> int:
+    """Bytes in the files under `path` (0 if it is gone)."""
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+
+
 def fsync_path(path: Path) -> None:
     """Flush a file's or a directory's entries to stable storage."""
     fd = os.open(path, os.O_RDONLY)
@@ -66,6 +72,12 @@ def write_durable(path: Path, write) -> None:
         write(f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def read_config(directory: Path) -> str | None:
+    """The config text saved with a checkpoint, or None (written before checkpoints held one)."""
+    path = directory / CONFIG
+    return path.read_text() if path.is_file() else None
 
 
 def write_marker(directory: Path, info: dict) -> None:
@@ -87,12 +99,25 @@ def read_marker(directory: Path) -> dict:
     return info
 
 
+def root_cause(e: BaseException) -> BaseException:
+    """The lowest rank's own error inside torch.distributed.checkpoint's CheckpointException (which
+    gathers every rank's and derives from BaseException), else `e`."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return failures[min(failures)][0]
+    return e
+
+
 def describe_error(e: BaseException) -> str:
-    """One line: the exception's type and the first line of its message."""
-    lines = str(e).strip().splitlines()
+    """One line: the exception's type and the first line of its message (a CheckpointException's
+    lowest rank's error; a KeyError's key, without the list of keys that megatron appends)."""
+    e = root_cause(e)
+    text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+    lines = text.strip().splitlines()
     if isinstance(e, MarkerError):
         return lines[0]
-    return f"{type(e).__name__}: {lines[0][:160] if lines else ''}".rstrip(": ")
+    first = lines[0].split(": [", 1)[0] if lines else ""
+    return f"{type(e).__name__}: {first[:200]}".rstrip(": ")
 
 
 def verify(directory: Path) -> str | None:

@@ -1,64 +1,104 @@
-"""Preemption: on SIGTERM the runner finishes the current step, writes a checkpoint and stops.
+"""Stopping on a signal: on SIGTERM (preemption), SIGINT (Ctrl-C) or SIGHUP (the terminal went away)
+the runner finishes the current step, writes a checkpoint and stops; a second SIGINT stops at once.
 
-    preempt.install()                 # before the step loop; the handler only sets a flag
-    if preempt.agreed(env.device):    # after each step, on every rank: MAX of the flag
-        ... save a checkpoint, then raise Preempted(message)
-    preempt.uninstall()               # in the loop's finally
+    preempt.install()                          # at start; the handler sets a flag, rank 0 says so in one line
+    signum = preempt.agreed(env.device)        # after each step, on every rank: MAX of the signal numbers
+    if signum: ... save a checkpoint, then raise Preempted(stop_message(label, step, path, signum))
+    preempt.uninstall()                        # in the loop's finally
 
-torchrun forwards SIGTERM to its workers and kills them 30 s later; a scheduler sends it to
-every process. Ranks that see the signal at different moments still stop at the same step,
-because they stop when any rank has seen it.
+torchrun forwards the signal it gets to its workers (each leads its own session, so a terminal's
+Ctrl-C reaches torchrun only) and kills them 30 s later; a scheduler sends SIGTERM to every
+process. Ranks that see a signal at different moments still stop after the same step, because
+they stop when any rank has seen one. A second Ctrl-C ends the process at once with exit code 130,
+without a checkpoint (the last one written stays): a second SIGINT, or after a SIGINT the SIGTERM
+torchrun sends when it is interrupted again. Under torchrun a worker also gets SIGINT when torchrun
+itself exits (PR_SET_PDEATHSIG), so no worker lives on without its launcher.
 """
 from __future__ import annotations
 
+import ctypes
+import os
 import signal
 import threading
 
 import torch
 import torch.distributed as dist
 
-_requested = False
-_previous = None
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # a second Ctrl-C: the shell's code for a process ended by SIGINT
+_PR_SET_PDEATHSIG = 1
+
+_received = 0  # the first signal's number, 0 before any
+_previous: dict = {}
 
 
 class Preempted(RuntimeError):
-    """SIGTERM: the step finished, a checkpoint was written and the run stopped; raised alike on
-    every rank after rank 0 printed where the checkpoint is."""
+    """A signal: the step finished, a checkpoint was written and the run stopped; raised alike on
+    every rank after rank 0 printed which signal, where the checkpoint is and how to resume."""
+
+
+def _say(line: str) -> None:
+    """One line on stderr from rank 0 (torchrun's RANK; a single process is rank 0). A signal handler
+    may run inside a print, so this is one write(2), which Python's I/O locks do not guard."""
+    if os.environ.get("RANK", "0") == "0":
+        os.write(2, (line + "\n").encode())
 
 
 def _handler(signum, frame) -> None:
-    global _requested
-    _requested = True
+    global _received
+    if not _received:
+        _received = signum
+        _say(f"{signal.Signals(signum).name}: finishing this step, then writing a checkpoint "
+             "(Ctrl-C again stops at once, without one)")
+    # A second Ctrl-C. Under torchrun it arrives as SIGTERM: the agent, interrupted again while it waits
+    # for the workers, sends SIGTERM as it exits. A second SIGTERM alone is not one: a scheduler may
+    # signal the workers and torchrun both, which forwards its own.
+    elif signum == signal.SIGINT or (signum == signal.SIGTERM and _received == signal.SIGINT):
+        _say(f"{signal.Signals(signum).name} after {signal.Signals(_received).name}: stopped at once, without a "
+             "checkpoint; the last checkpoint written is kept")
+        os._exit(EXIT_INTERRUPTED)  # no clean-up: the kernel releases the run_dir lock and the sockets
+
+
+def _die_with_parent() -> None:
+    """Under torchrun: SIGINT when the agent exits, so a worker never outlives its launcher."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return  # a plain process: its parent (a shell) may exit while it finishes its checkpoint
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGINT), 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: a worker then outlives a torchrun that died
+        pass
 
 
 def install() -> None:
-    """Catch SIGTERM (main thread only; elsewhere signals cannot be caught and nothing changes)."""
-    global _previous, _requested
-    _requested = False
+    """Catch SIGTERM, SIGINT and SIGHUP (main thread only; elsewhere signals cannot be caught and
+    nothing changes)."""
+    global _received
+    _received = 0
     if threading.current_thread() is threading.main_thread():
-        _previous = signal.signal(signal.SIGTERM, _handler)
+        for sig in SIGNALS:
+            _previous[sig] = signal.signal(sig, _handler)
+        _die_with_parent()
 
 
 def uninstall() -> None:
-    global _previous
-    if _previous is not None:
-        signal.signal(signal.SIGTERM, _previous)
-        _previous = None
+    for sig, previous in list(_previous.items()):
+        signal.signal(sig, previous)
+        del _previous[sig]
 
 
 def requested() -> bool:
-    """Whether this process has received SIGTERM since install()."""
-    return _requested
+    """Whether this process has received one of SIGNALS since install()."""
+    return bool(_received)
 
 
-def agreed(device: torch.device) -> bool:
-    """Collective over the world (one MAX all-reduce of one int on `device`): whether any rank
-    has received SIGTERM. Every rank gets the same answer, so all stop after the same step."""
-    flag = torch.tensor([int(_requested)], dtype=torch.int32, device=device)
+def agreed(device: torch.device) -> int:
+    """Collective over the world (one MAX all-reduce of one int on `device`): the highest signal number
+    any rank has received, 0 for none. Every rank gets the same answer, so all stop after the same step."""
+    flag = torch.tensor([_received], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    return int(flag.item())
 
 
-def stop_message(label: str, step: int, path) -> str:
-    return (f"[{label}] stopped by SIGTERM after step {step}: checkpoint written to {path}; to continue, run the "
-            f"same command with run.resume=true")
+def stop_message(label: str, step: int, path, signum: int = signal.SIGTERM) -> str:
+    return (f"[{label}] stopped by {signal.Signals(signum).name} after step {step}: checkpoint written to {path}; "
+            "to continue, run the same command with run.resume=true")

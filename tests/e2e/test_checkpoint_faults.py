@@ -1,5 +1,6 @@
 """Checkpoints that survive faults: a corrupt newest checkpoint falls back to the previous one with a
-warning naming the file, none intact is refused in one line, and pruning sorts by step.
+warning naming the file, none intact is refused in one line, pruning sorts by step, and a disk
+that fills up during a save stops the run in one line with the partial checkpoint removed.
 
 One (tp, pp, dp) = (2, 1, 1) CLI run of 4 steps, checkpointing every 2, is the reference; the
 fault cases corrupt copies of its checkpoints and call checkpoint.resume_point in this process.
@@ -7,10 +8,12 @@ fault cases corrupt copies of its checkpoints and call checkpoint.resume_point i
 import json
 import os
 import shutil
+import subprocess
 
 import pytest
 
 from e2e_helpers import DEMO, TINY, assert_metrics_close, metrics, torchrun
+from megatron_cispo.train import EXIT_SAVE_FAILED
 from megatron_cispo.config import ConfigError
 from megatron_cispo.runner import checkpoint, checkpoint_files
 
@@ -150,3 +153,32 @@ def test_the_cli_refuses_to_resume_when_no_checkpoint_is_intact(reference, tmp_p
     assert len(errors) == 1 and str(ckpts) in errors[0], proc.stderr[-3000:]
     assert "exitcode  : 2" in proc.stderr  # ConfigError's exit code; no rank printed a traceback:
     assert "ConfigError" not in proc.stderr and "megatron_cispo/" not in proc.stderr.replace(DEMO, "")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real full disk: a 4 MiB tmpfs holds one checkpoint of the 2-rank TINY run (2.7 MiB), not two."""
+    path = tmp_path / "disk"
+    path.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(path)]).returncode:
+        pytest.skip("needs root with permission to mount a small tmpfs (a real ENOSPC)")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def test_a_full_disk_during_a_checkpoint_stops_in_one_line_and_removes_the_partial_checkpoint(small_disk):
+    run_dir = small_disk / "run"
+    proc = torchrun(2, [DEMO, *TINY, "parallelism.tp=1", "run.steps=6", "run.checkpoint_interval=2",
+                        f"run.run_dir={run_dir}"], check=False)
+    assert proc.returncode != 0 and f"exitcode  : {EXIT_SAVE_FAILED}" in proc.stderr, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if "not written" in line]
+    assert len(lines) == 1, proc.stderr[-3000:]  # said once, by rank 0; no rank printed a traceback:
+    assert "[rank0]" not in proc.stderr and "megatron_cispo/" not in proc.stderr.replace(DEMO, "")
+    tmp, ckpts = run_dir / "checkpoints" / ".step_000004.tmp", run_dir / "checkpoints"
+    assert lines[0].startswith("checkpoint of step 4 not written: ") and "No space left on device" in lines[0]
+    assert f"; {tmp} (" in lines[0] and f" MiB are free in {ckpts}; the earlier checkpoints are untouched" in lines[0]
+    assert not tmp.exists() and sorted(p.name for p in ckpts.iterdir()) == ["step_000002"]
+    assert checkpoint_files.verify(ckpts / "step_000002") is None
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]

@@ -1,12 +1,13 @@
 """The CLI under runtime faults, launched with torchrun as a user would: ranks that resolve
-different configs, a rank that stops answering (SIGSTOP), and preemption (SIGTERM to torchrun)."""
+different configs, a rank that stops answering (SIGSTOP), preemption (SIGTERM to torchrun), and
+Ctrl-C or a dropped terminal (SIGINT, SIGHUP to torchrun's process group, as a terminal sends them)."""
 import os
 import signal
 import time
 from pathlib import Path
 
 from e2e_helpers import DEMO, TINY, Job, metrics, torchrun
-from megatron_cispo.runner.checkpoint_files import MARKER
+from megatron_cispo.runner.checkpoint_files import MARKER, complete
 from megatron_cispo.train import EXIT_CONFIG, EXIT_PEER_LOST
 
 
@@ -91,3 +92,71 @@ def test_sigterm_finishes_the_step_writes_a_checkpoint_and_resume_runs_to_the_en
     resumed = torchrun(2, [*args, "run.resume=true"], timeout=180)
     assert f"resumed from {ckpt}" in resumed.stdout
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, 41))
+
+
+def _interrupt(job, run_dir, signum, times=1):
+    """Send `signum` to torchrun's process group, as a terminal does (its workers lead their own
+    sessions, so torchrun forwards it); a second one only after rank 0 has said it got the first."""
+    job.wait_for_steps(run_dir, 1)
+    os.killpg(job.proc.pid, signum)
+    t0 = time.monotonic()
+    for _ in range(times - 1):
+        while "finishing this step" not in job.err.read_text():
+            assert time.monotonic() - t0 < 60, job.output()[-3000:]
+            time.sleep(0.01)
+        os.killpg(job.proc.pid, signum)
+    job.proc.wait(timeout=90)
+    return job.output()
+
+
+def _assert_no_rank_traceback(out):
+    assert "[rank0]" not in out and "[rank1]" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+
+
+def test_ctrl_c_and_sighup_finish_the_step_write_a_checkpoint_and_resume_runs_to_the_end(tmp_path):
+    for signum in (signal.SIGHUP, signal.SIGINT):
+        name = signal.Signals(signum).name
+        (tmp_path / name).mkdir()
+        run_dir = tmp_path / name / "run"
+        args = _args(run_dir, "run.steps=40")  # run.checkpoint_interval stays 0: no periodic checkpoints
+        job = Job(tmp_path / name, 2, args)
+        try:
+            out = _interrupt(job, run_dir, signum)
+        finally:
+            job.kill()
+        # Bare torchrun ends with its own SignalException traceback (once, from the launcher) and exit 1.
+        assert job.proc.returncode == 1, out[-3000:]
+        _assert_no_rank_traceback(out)
+        notices = [line for line in out.splitlines() if line.startswith(f"{name}: finishing this step")]
+        assert len(notices) == 1, out[-3000:]  # said once, by rank 0, when the signal came
+        steps = [r["step"] for r in metrics(run_dir)]
+        stop = steps[-1]
+        assert steps == list(range(1, stop + 1)) and stop < 40, steps
+        ckpt = run_dir / "checkpoints" / f"step_{stop:06d}"
+        lines = [line for line in out.splitlines() if "stopped by" in line]
+        assert lines == [f"[cispo:rollout] stopped by {name} after step {stop}: checkpoint written to {ckpt}; "
+                         "to continue, run the same command with run.resume=true"], out[-3000:]
+        assert (ckpt / MARKER).is_file()
+    resumed = torchrun(2, [*args, "run.resume=true"], timeout=180)
+    assert f"resumed from {ckpt}" in resumed.stdout
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, 41))
+
+
+def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint_in_one_line(tmp_path):
+    run_dir = tmp_path / "run"
+    job = Job(tmp_path, 2, _args(run_dir, "run.steps=100000"))
+    try:
+        t0 = time.monotonic()
+        out = _interrupt(job, run_dir, signal.SIGINT, times=2)
+        workers_left = job.workers()
+    finally:
+        job.kill()
+    _assert_no_rank_traceback(out)
+    lines = [line for line in out.splitlines() if "stopped at once" in line]
+    # under bare torchrun the second Ctrl-C reaches the ranks as the SIGTERM torchrun sends on its way out
+    assert len(lines) == 1 and lines[0] in (
+        "SIGINT after SIGINT: stopped at once, without a checkpoint; the last checkpoint written is kept",
+        "SIGTERM after SIGINT: stopped at once, without a checkpoint; the last checkpoint written is kept"), out[-3000:]
+    # no checkpoint (a save cut short leaves .step_N.tmp, which the next save removes)
+    assert not workers_left and not complete(run_dir) and "stopped by" not in out
+    assert time.monotonic() - t0 < 60
