@@ -2,11 +2,12 @@
 
     metrics = policy_step(chunks, optimizer, rollouts, loss_cfg, StepConfig(micro_batch_size=2))
 
-Data flow: plan how pi_old is obtained (given, a forward-only pass, or the training forward
-itself) -> optional pi_old / pi_ref passes -> with correction.m2po, one global token selection
-over the whole batch (step.m2po) -> per minibatch, megatron's schedule runs
-`make_loss_func`'s loss plugin and the optimizer steps -> the microbatch Metrics are reduced
-exactly over DP x CP on the last stage and broadcast over the pipeline.
+Data flow, one function each: check_batch (refuse what cannot train, plan how pi_old is
+obtained: given, a forward-only pass, or the training forward itself) -> prepare_inputs
+(optional pi_old / pi_ref passes; with correction.m2po, one global token selection over the
+whole batch, step.m2po) -> train (per minibatch, megatron's schedule runs `make_loss_func`'s
+loss plugin and the optimizer steps) -> TrainRun.metrics (the microbatch Metrics reduced exactly
+over DP x CP on the last stage and broadcast over the pipeline) and the routers' (step.moe).
 Guards: non-finite advantages on trained targets are refused before any schedule runs, and an
 optimizer step whose model output, loss or gradient is non-finite on any rank is skipped on
 every rank (one MAX all-reduce decides, before any parameter changes).
@@ -14,6 +15,7 @@ every rank (one MAX all-reduce decides, before any parameter changes).
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal, Optional
 
@@ -28,7 +30,7 @@ from .guard import (NONFINITE_CHECKS, check_advantages, has_grad_scaler, nonfini
                     watch_loss, zero_grads)
 from .m2po import dp_shard_row_ids, step_selection
 from .moe import RouterStats, moe_aux_loss_compensation
-from .packing import microbatches, step_layout
+from .packing import Layout, microbatches, step_layout
 from .pipeline import broadcast_object_from_last_stage, is_last_stage
 from .reduce import all_reduce_in, reduce_metrics
 from .rollouts import Rollouts, StepConfig
@@ -82,13 +84,37 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
     trained target on any rank (`check_advantages`); non-finite old/rollout/ref logprobs are not
     an error: the loss drops those tokens and counts them in "policy/nonfinite_dropped".
     """
-    from megatron.core import parallel_state as mpu
-    from megatron.core.utils import get_model_config
-
     check_megatron_config(chunks)
     check_loss_config(loss_cfg)
-    layout = step_layout(chunks, step_cfg)
-    dp_group = mpu.get_data_parallel_group()
+    shape = check_batch(chunks, batch, loss_cfg, step_cfg, ref_chunks=ref_chunks)
+    calls = [] if calls is None else calls
+    batch, keep, m2po_metrics = prepare_inputs(chunks, batch, loss_cfg, step_cfg, shape, vocab_size=vocab_size,
+                                               ref_chunks=ref_chunks, calls=calls, row_ids=row_ids)
+    router_stats = RouterStats.of(chunks)  # None for a dense model
+    run = train(chunks, optimizer, batch, loss_cfg, step_cfg, shape, keep=keep, vocab_size=vocab_size,
+                calls=calls, router_stats=router_stats)
+    return {**run.metrics(shape), "step/forward_calls": float(len(calls)), **m2po_metrics,
+            **(router_stats.reduce() if router_stats is not None else {})}
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What check_batch settles: rows per rank, rows per local minibatch, optimizer steps, how
+    pi_old is obtained, and where the microbatches run."""
+
+    n: int
+    mini_local: int
+    steps: int
+    plan: OldPlan
+    layout: Layout
+
+
+def check_batch(chunks, batch: Rollouts, loss_cfg: LossConfig, step_cfg: StepConfig, *, ref_chunks) -> StepShape:
+    """Refuse, on every rank and before any schedule, a batch this step cannot train: off the
+    model's device, uneven over DP, no rows, sizes that do not divide, a missing input, a non-finite
+    advantage on a trained target. Collectives: a MAX over DP (rows), check_advantages'."""
+    from megatron.core import parallel_state as mpu
+
     dp = mpu.get_data_parallel_world_size()
     n = batch.tokens.shape[0]
     param = next(chunks[0].parameters())
@@ -96,7 +122,8 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
         raise ValueError(f"rollouts are on {batch.tokens.device} but the model is on {param.device}; move the "
                          "batch to the model's device (NCCL collectives need it there)")
     # Every DP rank must run the same schedules: a rank with more rows would wait in a collective.
-    rows = all_reduce_in(torch.tensor([n, -n], device=param.device), dist.ReduceOp.MAX, dp_group)
+    rows = all_reduce_in(torch.tensor([n, -n], device=param.device), dist.ReduceOp.MAX,
+                         mpu.get_data_parallel_group())
     if int(rows[0]) != -int(rows[1]):
         raise ValueError(f"data-parallel ranks hold different numbers of rows ({-int(rows[1])} to {int(rows[0])}; "
                          f"this rank {n}); shard the global batch evenly (Rollouts.dp_shard)")
@@ -111,7 +138,6 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
         raise ValueError(f"micro_batch_size={step_cfg.micro_batch_size} must divide the per-rank "
                          f"minibatch of {mini_local} sequences")
     steps = step_cfg.epochs * (n // mini_local)
-    calls = [] if calls is None else calls
     plan = plan_old_logprobs(loss_cfg, step_cfg, optimizer_steps=steps, have_old=batch.old_logprobs is not None)
     # Checked on every rank before the schedule starts: raised inside the last stage's loss,
     # a missing input would leave the other stages waiting in p2p until the timeout.
@@ -121,65 +147,101 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
         if getattr(batch, name) is None and not produced:
             raise ValueError(f"rollouts.{name} is missing: {missing_input_message(loss_cfg, name)}")
     check_advantages(batch)
-    build = partial(microbatches, loss_cfg=loss_cfg, step_cfg=step_cfg, layout=layout, dp_group=dp_group)
+    return StepShape(n=n, mini_local=mini_local, steps=steps, plan=plan, layout=step_layout(chunks, step_cfg))
+
+
+def prepare_inputs(chunks, batch: Rollouts, loss_cfg: LossConfig, step_cfg: StepConfig, shape: StepShape, *,
+                   vocab_size, ref_chunks, calls: list, row_ids) -> tuple[Rollouts, Optional[torch.Tensor], dict]:
+    """The batch with pi_old and pi_ref filled in by forward-only passes where the plan needs them,
+    and with correction.m2po the global keep mask [n, s] and its metrics (else None, {})."""
+    from megatron.core import parallel_state as mpu
+
     score = partial(compute_logprobs, batch=batch, step_cfg=step_cfg, vocab_size=vocab_size, calls=calls,
                     head=loss_cfg.head, head_fp32=loss_cfg.head_fp32)
-    if plan == "pass":
+    if shape.plan == "pass":
         batch = batch.replace(old_logprobs=score(chunks))
     if "ref_logprobs" in required_inputs(loss_cfg) and batch.ref_logprobs is None:
         batch = batch.replace(ref_logprobs=score(ref_chunks))
-    keep, m2po_metrics = None, {}
-    if loss_cfg.correction.m2po is not None:  # whole batch, every DP rank, before the first microbatch
-        rows_global = dp_shard_row_ids(n, mini_local, mpu.get_data_parallel_rank(), dp, param.device) \
-            if row_ids is None else row_ids
-        given = {k: getattr(batch, k) for k in ("old_logprobs", "rollout_logprobs", "ref_logprobs")}
-        keep, m2po_metrics = step_selection(batch.old_logprobs, batch.rollout_logprobs,
-                                            valid_tokens(loss_cfg, batch.loss_mask, **given),
-                                            loss_cfg.correction.m2po, row_ids=rows_global, group=dp_group)
+    if loss_cfg.correction.m2po is None:
+        return batch, None, {}
+    # whole batch, every DP rank, before the first microbatch
+    dp = mpu.get_data_parallel_world_size()
+    if row_ids is None:
+        row_ids = dp_shard_row_ids(shape.n, shape.mini_local, mpu.get_data_parallel_rank(), dp, batch.tokens.device)
+    given = {k: getattr(batch, k) for k in ("old_logprobs", "rollout_logprobs", "ref_logprobs")}
+    keep, metrics = step_selection(batch.old_logprobs, batch.rollout_logprobs,
+                                   valid_tokens(loss_cfg, batch.loss_mask, **given), loss_cfg.correction.m2po,
+                                   row_ids=row_ids, group=mpu.get_data_parallel_group())
+    return batch, keep, metrics
+
+
+@dataclass
+class TrainRun:
+    """What the optimizer steps of one policy step left on this rank."""
+
+    per_microbatch: list = field(default_factory=list)  # the loss's Metrics, last stage only
+    counts: list = field(default_factory=list)  # microbatches per optimizer step
+    grad_norms: list = field(default_factory=list)
+    skipped: int = 0  # by the optimizer (overflow)
+    skipped_nonfinite: int = 0
+    nonfinite: dict = field(default_factory=lambda: dict.fromkeys(NONFINITE_CHECKS, 0))
+
+    def metrics(self, shape: StepShape) -> dict[str, float]:
+        """The loss metrics reduced over DP x CP on the last stage, broadcast over PP, and the step's."""
+        from megatron.core import parallel_state as mpu
+
+        metrics = None
+        if is_last_stage():
+            metrics = reduce_metrics(self.per_microbatch, group=mpu.get_data_parallel_group(with_context_parallel=True))
+        metrics = broadcast_object_from_last_stage(metrics)
+        skipped = self.skipped + self.skipped_nonfinite
+        return {**metrics,
+                "step/grad_norm": sum(self.grad_norms) / len(self.grad_norms) if self.grad_norms else float("nan"),
+                "step/optimizer_steps": float(shape.steps - skipped), "step/skipped_steps": float(skipped),
+                "step/skipped_nonfinite": float(self.skipped_nonfinite),
+                **{f"step/nonfinite_{k}": float(v) for k, v in self.nonfinite.items()},
+                "step/old_logprob_pass": float(shape.plan == "pass"),
+                "step/microbatches": sum(self.counts) / len(self.counts)}
+
+
+def train(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_cfg: StepConfig, shape: StepShape, *,
+          keep: Optional[torch.Tensor], vocab_size, calls: list, router_stats: Optional[RouterStats]) -> TrainRun:
+    """Per epoch and minibatch: microbatches, megatron's schedule with the loss plugin, then the
+    optimizer step, or a skip on every rank when something was non-finite on any rank."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.utils import get_model_config
+
     seen: list = []
     loss_func = make_loss_func(loss_cfg, temperature=step_cfg.temperature, vocab_size=vocab_size,
-                               old_from_current=plan == "from_training_forward")
-    router_stats = RouterStats.of(chunks)  # None for a dense model
+                               old_from_current=shape.plan == "from_training_forward")
     forward_step = forward_step_for(watch_loss(loss_func, seen), calls, head=loss_cfg.head, moe=router_stats)
-    per_microbatch, grad_norms, skipped, counts = [], [], 0, []
-    nonfinite, skipped_nonfinite = dict.fromkeys(NONFINITE_CHECKS, 0), 0
+    build = partial(microbatches, loss_cfg=loss_cfg, step_cfg=step_cfg, layout=shape.layout,
+                    dp_group=mpu.get_data_parallel_group())
     scaler = has_grad_scaler(optimizer)
+    run = TrainRun()
     for _ in range(step_cfg.epochs):
-        for start in range(0, n, mini_local):
-            part = slice(start, start + mini_local)
-            mbs = build(batch.rows(part),
-                        token_fields=None if keep is None else {"token_keep": keep[part]})
-            counts.append(len(mbs))
+        for start in range(0, shape.n, shape.mini_local):
+            part = slice(start, start + shape.mini_local)
+            mbs = build(batch.rows(part), token_fields=None if keep is None else {"token_keep": keep[part]})
+            run.counts.append(len(mbs))
             zero_grads(chunks, optimizer)
             seen.clear()
-            with moe_aux_loss_compensation(get_model_config(chunks[0]), padding_mask=layout.padding_mask), \
+            with moe_aux_loss_compensation(get_model_config(chunks[0]), padding_mask=shape.layout.padding_mask), \
                     router_stats or contextlib.nullcontext():
-                per_microbatch += run_schedule(chunks, forward_step, mbs, forward_only=False)
+                run.per_microbatch += run_schedule(chunks, forward_step, mbs, forward_only=False)
             # megatron's fp32 and bf16 optimizers step on a NaN gradient (the clip coefficient is NaN,
             # so nothing is clipped), so the decision is taken here, before optimizer.step() runs. A
             # loss scaler's overflows stay the optimizer's: skipping them here would never lower the scale.
             bad = nonfinite_this_step(seen, chunks, batch.tokens.device, check_grads=not scaler)
             if bad:
-                skipped_nonfinite += 1
+                run.skipped_nonfinite += 1
                 for name in bad:
-                    nonfinite[name] += 1
-                warn_skipped(bad, len(counts), steps)
+                    run.nonfinite[name] += 1
+                warn_skipped(bad, len(run.counts), shape.steps)
                 zero_grads(chunks, optimizer)
                 continue
             ok, grad_norm, _ = optimizer.step()
-            skipped += not ok  # a mixed-precision optimizer skips a step on overflow
+            run.skipped += not ok  # a mixed-precision optimizer skips a step on overflow
             if grad_norm is not None:  # None when clip_grad=0 on the fp32 optimizer
-                grad_norms.append(float(grad_norm))
-    metrics = None
-    if is_last_stage():
-        metrics = reduce_metrics(per_microbatch, group=mpu.get_data_parallel_group(with_context_parallel=True))
-    metrics = broadcast_object_from_last_stage(metrics)
-    metrics.update({"step/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
-                    "step/optimizer_steps": float(steps - skipped - skipped_nonfinite),
-                    "step/skipped_steps": float(skipped + skipped_nonfinite),
-                    "step/skipped_nonfinite": float(skipped_nonfinite),
-                    **{f"step/nonfinite_{k}": float(v) for k, v in nonfinite.items()},
-                    "step/old_logprob_pass": float(plan == "pass"), "step/forward_calls": float(len(calls)),
-                    "step/microbatches": sum(counts) / len(counts), **m2po_metrics,
-                    **(router_stats.reduce() if router_stats is not None else {})})
-    return metrics
+                run.grad_norms.append(float(grad_norm))
+    return run
