@@ -35,8 +35,10 @@ EXIT_NONFINITE = 3
 EXIT_PEER_LOST = 4
 EXIT_PREEMPTED = 5
 EXIT_SAVE_FAILED = 6
+EXIT_INTERRUPTED = 130  # a second Ctrl-C: runner/preempt.py's os._exit code (128 + SIGINT, as a shell reports it)
 # Exit codes whose reason rank 0 has printed in one line (launch/run_torchrun.py passes them on quietly).
-REPORTED_EXIT_CODES = (EXIT_CONFIG, EXIT_NONFINITE, EXIT_PEER_LOST, EXIT_PREEMPTED, EXIT_SAVE_FAILED)
+REPORTED_EXIT_CODES = (EXIT_CONFIG, EXIT_NONFINITE, EXIT_PEER_LOST, EXIT_PREEMPTED, EXIT_SAVE_FAILED,
+                       EXIT_INTERRUPTED)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:

@@ -3,10 +3,12 @@ different configs, a rank that stops answering (SIGSTOP), preemption (SIGTERM to
 Ctrl-C or a dropped terminal (SIGINT, SIGHUP to torchrun's process group, as a terminal sends them)."""
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
-from e2e_helpers import DEMO, TINY, Job, metrics, torchrun
+from e2e_helpers import DEMO, ROOT, TINY, Job, env, metrics, torchrun
+from megatron_cispo.testing import free_port
 from megatron_cispo.runner.checkpoint_files import MARKER, complete
 from megatron_cispo.train import EXIT_CONFIG, EXIT_PEER_LOST
 
@@ -160,3 +162,33 @@ def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint_in_one_line(tmp_path
     # no checkpoint (a save cut short leaves .step_N.tmp, which the next save removes)
     assert not workers_left and not complete(run_dir) and "stopped by" not in out
     assert time.monotonic() - t0 < 60
+
+
+def test_through_the_launch_script_ctrl_c_exits_5_and_a_second_one_130_with_the_ranks_lines_only(tmp_path):
+    # launch/run_torchrun.py passes the ranks' reported exit codes on and leaves out torchrun's traceback.
+    for times, code, said in ((1, 5, "stopped by SIGINT after step"), (2, 130, "stopped at once")):
+        run_dir = tmp_path / f"ctrl_c_{times}"
+        log = tmp_path / f"launch_{times}.txt"
+        with open(log, "w") as f:
+            proc = subprocess.Popen(["bash", "launch/single_node.sh", *_args(run_dir, "run.steps=100000")], cwd=ROOT,
+                                    stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env={**env(), "NGPU": "0", "NPROC": "2", "MASTER_PORT": str(free_port())})
+        try:
+            deadline = time.monotonic() + 150
+            while not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "metrics.jsonl").read_text():
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.1)
+            os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: to the script's process group
+            if times == 2:
+                while "finishing this step" not in log.read_text():  # the second after rank 0 got the first
+                    assert time.monotonic() < deadline, log.read_text()[-3000:]
+                    time.sleep(0.01)
+                os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(timeout=90)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        text = log.read_text()
+        assert proc.returncode == code, text[-3000:]
+        assert "Traceback" not in text and "death signal" not in text and text.count(said) == 1, text[-3000:]

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from megatron_cispo.runner import preempt
+from megatron_cispo.train import EXIT_INTERRUPTED
 
 
 @pytest.mark.parametrize("signum", preempt.SIGNALS)
@@ -45,7 +46,7 @@ def test_a_second_ctrl_c_ends_the_process_at_once_with_130_and_one_line(second):
     # Under torchrun the second Ctrl-C reaches a worker as SIGTERM: torchrun's own when it exits.
     proc = subprocess.run([sys.executable, "-c", SECOND, second], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "RANK": "0"})
-    assert proc.returncode == preempt.EXIT_INTERRUPTED == 130 and proc.stdout == "first handled\n"
+    assert proc.returncode == preempt.EXIT_INTERRUPTED == EXIT_INTERRUPTED == 130 and proc.stdout == "first handled\n"
     assert proc.stderr.splitlines()[1:] == [f"{second} after SIGINT: stopped at once, without a checkpoint; the "
                                             "last checkpoint written is kept"], proc.stderr
 
