@@ -145,6 +145,8 @@ def _rows(runs: list[dict]) -> list[tuple[str, list[float]]]:
     rows.append(("later steps (each, median)",
                  [statistics.median(b - a for a, b in r["policy_steps"][1:]) for r in runs]))
     rows.append(("end: summary.json + metrics.png (rank 0)", [s["finish_end"] - s["finish"] for s in st]))
+    rows.append(("end: shutdown (rank 0's main returns)", [s["exit"] - s["finish_end"] for s in st]))
+    rows.append(("end: interpreter exit + torchrun", [s["done"] - s["exit"] for s in st]))
     rows.append(("launch -> torchrun exits", [s["done"] - s["launch"] for s in st]))
     return rows
 
