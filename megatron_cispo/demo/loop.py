@@ -90,16 +90,9 @@ def run(cfg: ExperimentConfig) -> None:
                           "CUDA tensors); use fp32 on CPU. rollout.precision=bf16 still gives a bf16 sampler")
     from ..runner import distributed
 
-    p = cfg.parallelism
     preempt.install()  # from here a signal stops the run after a step, with a checkpoint
     try:
-        env = distributed.init_distributed(tp=p.tp, pp=p.pp, vp=p.vp, cp=p.cp, ep=p.ep, seed=cfg.run.seed,
-                                           timeout_s=cfg.run.dist_timeout_s, config_text=dump_yaml(cfg))
-    except ValueError as e:  # a layout this runtime cannot run; raised identically on every rank
-        preempt.uninstall()
-        if isinstance(e, ConfigError):  # the config differs across ranks; it names the keys
-            raise
-        raise ConfigError(f"parallelism: {e}") from e
+        env = _init_distributed(cfg)
     except BaseException:
         preempt.uninstall()
         raise
@@ -123,6 +116,20 @@ def run(cfg: ExperimentConfig) -> None:
         if owned is not None:
             owned.release()
         distributed.shutdown()
+
+
+def _init_distributed(cfg: ExperimentConfig):
+    """Collective: the process groups, after every rank has checked that it resolved the same config."""
+    from ..runner import distributed
+
+    p = cfg.parallelism
+    try:
+        return distributed.init_distributed(tp=p.tp, pp=p.pp, vp=p.vp, cp=p.cp, ep=p.ep, seed=cfg.run.seed,
+                                            timeout_s=cfg.run.dist_timeout_s, config_text=dump_yaml(cfg))
+    except ConfigError:  # the config differs across ranks; it names the keys
+        raise
+    except ValueError as e:  # a layout this runtime cannot run; raised identically on every rank
+        raise ConfigError(f"parallelism: {e}") from e
 
 
 def _set_up(cfg: ExperimentConfig, env) -> _Trainer:
