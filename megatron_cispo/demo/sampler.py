@@ -71,11 +71,14 @@ class Sampler:
         self.versions: dict[int, dict[str, Tensor]] = {}  # policy version -> full fp32 state
 
     def version_for(self, step: int) -> int:
-        """The policy version used for rollouts of 0-based `step` (the trainer is at version step):
-        step - staleness, or the oldest version held when that one is older. That happens only after
-        a resume with a larger rollout.staleness (the checkpoint holds the versions the old one
-        needed); the lag then grows to the new staleness one step at a time."""
-        want = max(0, step - self.cfg.staleness)
+        """The policy version used for rollouts of 0-based `step` (the trainer is at version step)."""
+        return max(0, step - self.cfg.staleness)
+
+    def _held_version(self, step: int) -> int:
+        """version_for(step), or the oldest version held when that one is older. That happens only
+        after a resume with a larger rollout.staleness (the checkpoint holds the versions the old
+        one needed); the lag then grows to the new staleness one step at a time."""
+        want = self.version_for(step)
         return max(want, min(self.versions)) if self.versions else want
 
     def sync(self, version: int, full_state: dict[str, Tensor]) -> None:
@@ -123,7 +126,7 @@ class Sampler:
 
     def rollouts(self, step: int) -> Batch:
         """The global batch of 0-based `step`: prompts x group samples, rewards, group advantages."""
-        version = self.version_for(step)
+        version = self._held_version(step)
         g, p = self.cfg.group_size, self.cfg.prompts_per_step
         prompts = self.task.prompts(self.seed, step, p).repeat_interleave(g, 0)
         tokens, answer_lp, kept = self.sample(self.engine(version), prompts, step)
