@@ -39,3 +39,38 @@ def test_the_rollouts_table_lists_every_field_with_the_shape_its_field_doc_gives
     for name, doc in fields.items():
         shape = re.match(r"\[[^\]]*\]", doc).group(0)  # every field doc opens with its shape
         assert table[name].startswith(f"`{shape}`"), (name, table[name], shape)
+
+
+# (field, config, text of its 'needed when' cell): required_inputs(config) must contain the field,
+# and a config without the setting must not (so each row names a real reason).
+NEEDED = [
+    ("rollout_logprobs", {"cispo": {"anchor": "rollout"}}, "`cispo.anchor=rollout`"),
+    ("rollout_logprobs", {"policy_loss": "rollout_is"}, "`rollout_is`"),
+    ("rollout_logprobs", {"tis": {"level": "token"}}, "`tis.*`"),
+    ("rollout_logprobs", {"correction": {"mis": [0.5, 2.0]}}, "`correction.mis`"),
+    ("rollout_logprobs", {"correction": {"geo_rs": [0.5, 2.0]}}, "`geo_rs`"),
+    ("rollout_logprobs", {"correction": {"m2po": 0.04}}, "`m2po`"),
+    ("rollout_logprobs", {"correction": {"opsm": 1e-3}}, "`correction.opsm` with `opsm_ref=rollout`"),
+    ("rollout_logprobs", {"kl": {"coef": 0.1, "is_weight": True}}, "`kl.is_weight`"),
+    ("old_logprobs", {}, "the old anchor (`cispo` by default"),
+    ("old_logprobs", {"policy_loss": "ppo"}, "`ppo`"),
+    ("old_logprobs", {"cispo": {"anchor": "rollout"}, "correction": {"opsm": 1e-3, "opsm_ref": "old"}},
+     "`correction.opsm` with `opsm_ref=old`"),
+    ("ref_logprobs", {"kl": {"coef": 0.1}}, "`kl.coef > 0`"),
+]
+
+
+def test_each_reason_the_rollouts_table_gives_for_a_logprob_field_is_one_required_inputs_has():
+    from megatron_cispo.config import LossConfig, from_dict
+    from megatron_cispo.losses import required_inputs
+
+    table = FORK[FORK.index("### Rollouts"):]
+    cells = {name: cell for name, cell in re.findall(r"^\| `(\w+)` \|[^|]+\| ([^|]+) \|", table, re.M)}
+    rollout_anchor = required_inputs(from_dict(LossConfig, {"cispo": {"anchor": "rollout"}}))
+    assert rollout_anchor == {"rollout_logprobs"}  # the baseline the old_logprobs reasons add to
+    for name, overrides, text in NEEDED:
+        assert text in cells[name], (name, text)
+        assert name in required_inputs(from_dict(LossConfig, overrides)), (name, overrides)
+    assert "old_logprobs" not in required_inputs(from_dict(LossConfig, {"cispo": {"anchor": "rollout"},
+                                                                         "correction": {"opsm": 1e-3}}))
+    assert "ref_logprobs" not in required_inputs(LossConfig()) and "rollout_logprobs" not in required_inputs(LossConfig())
