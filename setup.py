@@ -3,6 +3,8 @@
 CPU machines: install torch first (`pip install torch==2.13.0`, a CPU wheel) so that the
 `torch` requirement below is already met and pip does not pull a CUDA build. GPU clusters:
 see docs/launch.md (CUDA torch, Transformer Engine, NVIDIA Apex built from source).
+Megatron-LM's own RL loop (train_rl.py) needs its packages too: pip install -e ".[megatron-lm]"
+after torch (docs/integration.md).
 """
 import json
 from pathlib import Path
