@@ -65,10 +65,11 @@ class MetricsFileError(ValueError):
     """A line of metrics.jsonl that is not a JSON record (not the last one), named by file and line."""
 
 
-def _parse(path: Path) -> tuple[list[dict], list[int]]:
-    """(records, 1-based numbers of the lines that are not a JSON object with a "step")."""
+def _parse(path: Path) -> tuple[list[dict], list[int], int]:
+    """(records, 1-based numbers of the lines that are not a JSON object with a "step", line count)."""
     recs, bad = [], []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
@@ -79,11 +80,7 @@ def _parse(path: Path) -> tuple[list[dict], list[int]]:
             recs.append(rec)
         else:
             bad.append(i)
-    return recs, bad
-
-
-def _last_line(path: Path) -> int:
-    return len(path.read_text().splitlines())
+    return recs, bad, len(lines)
 
 
 def _warn(text: str) -> None:
@@ -95,8 +92,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     (a write cut short, e.g. by a full disk) is left out with a warning; any other line that is not a
     JSON record raises MetricsFileError naming the file and the line."""
     path = Path(run_dir) / METRICS_FILE
-    recs, bad = _parse(path)
-    last = _last_line(path)
+    recs, bad, last = _parse(path)
     if bad and bad[0] != last:
         raise MetricsFileError(f"{path}:{bad[0]}: not a JSON record (every line of {METRICS_FILE} is one "
                                f"step's JSON object); fix or delete that line")
@@ -108,9 +104,8 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
 def _resumed_records(path: Path, start_step: int) -> list[dict]:
     """The records of steps <= start_step; lines that do not parse are dropped with one warning, so a
     damaged log never blocks a restart (a torn last line is the usual case: disk full mid-write)."""
-    recs, bad = _parse(path)
+    recs, bad, last = _parse(path)
     if bad:
-        last = _last_line(path)
         which = f"line {last} (the last) is" if bad == [last] else f"lines {', '.join(map(str, bad))} are"
         _warn(f"{path}: {which} not a complete JSON record, probably a write cut short (disk full); "
               f"dropped, the resumed run rewrites the steps after {start_step}")
