@@ -163,7 +163,7 @@ class MetricsWriter:
         frac = record.get(DROPPED)
         full = isinstance(frac, (int, float)) and frac >= DROP_ALL_FRAC
         self._dropping_all = self._dropping_all + 1 if full else 0
-        if self._warned_drop or self._dropping_all < min(DROP_ALL_STEPS, self.total - self.start_step):
+        if self._warned_drop or not full or self._dropping_all < min(DROP_ALL_STEPS, self.total - self.start_step):
             return
         self._warned_drop = True
         drops = {k: record.get(v) for k, v in CORRECTION_DROPS.items() if isinstance(record.get(v), (int, float))}
@@ -186,7 +186,8 @@ def _num(record: dict, key: str) -> float | None:
 
 def active_parts(record: dict) -> list[str]:
     """Progress-line fields for what this run has on: the old/rollout mismatch (k3 KL estimate of
-    KL(pi_rollout || pi_old), present when both logprobs are), the corrections' dropped token share
+    KL(pi_rollout || pi_old), present when both logprobs are; under the rollout anchor the line's
+    ratio [min, max] is the mismatch itself), the corrections' dropped token share
     (total, then each correction's), the MoE aux / z loss and tokens per expert (min..max over the
     global batch). A key the record lacks shows nothing."""
     parts = []
