@@ -146,8 +146,8 @@ def figure(run_dirs: list[str | Path]):
         if floor is not None and floor <= 0.0:  # a ratio is never below 0: the curve is 0 by construction
             ax.plot([], [], " ", label="below the floor: none (floor 0)")
         else:
-            ax.plot(x, _col(recs, "clip_frac_low", 0.0), label="below 1-eps_low")
-        ax.plot(x, _col(recs, "clip_frac_high", 0.0), label="above 1+eps_high")
+            ax.plot(x, _col(recs, "clip_frac_low", 0.0), label="below the floor" + (f" {floor:g}" if floor else ""))
+        ax.plot(x, _col(recs, "clip_frac_high", 0.0), label="above the cap" + (f" {cap:g}" if cap else ""))
         ax.legend(fontsize=7)
         ax = axes[2][col]
         ax.fill_between(x, _col(recs, "ratio_min", 1.0), _col(recs, "ratio_max", 1.0), alpha=0.3, label="min..max")

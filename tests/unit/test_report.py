@@ -85,9 +85,9 @@ def test_figure_legend_names_the_clamp_lines_and_the_zero_floor_curve(tmp_path):
     fig = report.figure([floor0, floor08])
     axes = fig.get_axes()  # row-major: 3 rows x 2 columns
     clip0, clip08, ratio0, ratio08 = axes[2], axes[3], axes[4], axes[5]
-    assert _legend(clip0) == ["below the floor: none (floor 0)", "above 1+eps_high"]
-    assert [line.get_label() for line in clip0.get_lines() if line.get_xdata().size] == ["above 1+eps_high"]
-    assert _legend(clip08) == ["below 1-eps_low", "above 1+eps_high"]
+    assert _legend(clip0) == ["below the floor: none (floor 0)", "above the cap 5"]
+    assert [line.get_label() for line in clip0.get_lines() if line.get_xdata().size] == ["above the cap 5"]
+    assert _legend(clip08) == ["below the floor 0.8", "above the cap 5"]
     assert "clamp cap 5" in _legend(ratio0) and not any("floor" in t for t in _legend(ratio0))
     assert {"clamp cap 5", "clamp floor 0.8"} <= set(_legend(ratio08))
     dashed = [line for line in ratio08.get_lines() if line.get_linestyle() == "--"]
