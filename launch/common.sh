@@ -88,8 +88,8 @@ preflight() {
 # run_torchrun WAITED_FOR TORCHRUN_ARGS...: exec torch.distributed.run through launch/run_torchrun.py.
 # When its rendezvous fails (a node did not come within the rendezvous timeout, or the port is
 # taken), the agent's traceback is replaced by one line: WAITED_FOR, then torch's own message; exit 1.
-# When the ranks stop with one of train.py's reported exit codes (2 config error, 3 non-finite, 4 peer
-# lost, 5 preempted), rank 0's one line is all that is printed and the script exits with that code.
+# When the ranks stop with one of train.py's REPORTED_EXIT_CODES (2 config error, 3 non-finite, 4 peer
+# lost, 5 preempted, 6 save failed), rank 0's one line is all that is printed and the script exits with it.
 run_torchrun() {
   local waited_for=$1
   shift

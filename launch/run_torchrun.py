@@ -5,10 +5,11 @@ one line instead of a traceback where the ranks or the rendezvous have already s
 
 - The rendezvous fails (a node did not come in time, the port is taken): one line, SCRIPT: WAITED_FOR
   and then torch's own message; exit 1.
-- The workers stop with one of train.py's reported exit codes (2 config error, 3 non-finite stop,
-  4 peer lost, 5 preempted), every worker that failed with the same one, also when torchrun itself
-  got the SIGTERM/SIGINT and forwarded it: rank 0 has printed the one line, so torchrun's failure
-  summary, traceback and log lines about it are left out, and this exits with that code.
+- The workers stop with one of train.py's REPORTED_EXIT_CODES (2 config error, 3 non-finite stop,
+  4 peer lost, 5 preempted, 6 checkpoint save failed), every worker that failed with the same one,
+  also when torchrun itself got the SIGTERM/SIGINT and forwarded it: rank 0 has printed the one
+  line, so torchrun's failure summary, traceback and log lines about it are left out, and this
+  exits with that code.
 - Anything else (a crash, a signal the workers did not handle, mixed codes): torchrun's own output
   and exit code 1.
 """

@@ -7,6 +7,7 @@ get `run.steps=2` and the TINY overrides.
 """
 from __future__ import annotations
 
+import hashlib
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,9 @@ import pytest
 
 from e2e_helpers import ROOT, env
 from megatron_cispo.testing import free_port
-from readme_helpers import CLONE, NOT_RUN, README, readme_commands, shortened
+from readme_helpers import CLONE, NOT_RUN, README, doc_commands, shortened
+
+STAMP = ".megatron_cispo_installed"  # launch/setup_env.sh's record of the setup.py it installed
 
 
 @dataclass
@@ -29,13 +32,16 @@ class ReadmeRun:
 
 
 def _fresh_clone(root: Path) -> Path:
-    stamp = ROOT / ".venv" / ".megatron_cispo_installed"
-    want = subprocess.run(["sha256sum", str(ROOT / "setup.py")], capture_output=True, text=True).stdout[:16]
-    if not stamp.is_file() or stamp.read_text().strip() != want:
-        # launch/setup_env.sh inside the copy would reinstall the package from the copy's path
-        pytest.fail("./.venv is not installed from the current setup.py: run `bash launch/setup_env.sh` first")
+    """`root` with the checkout's files (symlinks) and a .venv that launch/setup_env.sh takes as installed:
+    the checkout's venv, entry by entry, with its own install stamp, so nothing is reinstalled from here."""
     for name in CLONE:
         (root / name).symlink_to(ROOT / name)
+    venv = root / ".venv"
+    venv.mkdir()
+    for item in (ROOT / ".venv").iterdir():
+        if item.name != STAMP:
+            (venv / item.name).symlink_to(item)
+    (venv / STAMP).write_text(hashlib.sha256((ROOT / "setup.py").read_bytes()).hexdigest()[:16] + "\n")
     return root
 
 
@@ -46,7 +52,7 @@ def readme_run(tmp_path_factory) -> ReadmeRun:
     port = str(free_port())
     run_env.update(MASTER_PORT=port, PET_MASTER_PORT=port)  # bare torchrun reads PET_MASTER_PORT
     ran, skipped = [], []
-    for cmd in readme_commands(README.read_text()):
+    for cmd in doc_commands(README.read_text()):
         if any(cmd.startswith(prefix) for prefix in NOT_RUN):
             skipped.append(cmd)
             continue

@@ -1,4 +1,4 @@
-"""The README's commands, parsed in README order, and how the e2e tests run each (tests/e2e/conftest.py)."""
+"""The commands a doc shows, in its order (test_docs_commands.py, conftest.py), and how the README's run."""
 from __future__ import annotations
 
 import re
@@ -9,8 +9,8 @@ import pytest
 from e2e_helpers import ROOT, TINY
 
 README = ROOT / "README.md"
-# What a fresh clone has that the commands use; .venv is the one tests/run.sh set up.
-CLONE = ("launch", "yaml_configs", "megatron_cispo", "setup.py", ".venv")
+# What a fresh clone has that the commands use (and .venv, set up by tests/run.sh).
+CLONE = ("launch", "yaml_configs", "megatron_cispo", "setup.py")
 SHORT = ["run.steps=2", *TINY]
 NOT_RUN = {  # command prefix: why it is not run here
     "bash tests/run.sh": "the test suite itself",
@@ -18,17 +18,20 @@ NOT_RUN = {  # command prefix: why it is not run here
                                                               "(tests/unit/test_megatron_lm*.py)",
 }
 _COMMAND = r"(?:[A-Z_]+=\S+\s+)*(?:\.venv/bin/)?(?:python|bash|torchrun|sbatch) "
-_BLOCK_OR_INLINE = re.compile(r"```(?:bash|sh|console)?\n(?P<block>.*?)```|(?<!`)`(?P<inline>" + _COMMAND + r"[^`]+)`(?!`)",
-                              re.S)
+_BLOCK_OR_INLINE = re.compile(r"^ *```(?P<lang>\w*)\n(?P<block>.*?)^ *```|(?<!`)`(?P<inline>" + _COMMAND + r"[^`]+)`(?!`)",
+                              re.S | re.M)
 
 
-def readme_commands(text: str) -> list[str]:
-    """The shell commands in `text` (fenced blocks and inline code), in the order they appear."""
+def doc_commands(text: str) -> list[str]:
+    """The shell commands in a markdown `text` (fenced blocks, continuations joined, and inline code), in
+    the order they appear, without comments or a trailing `&`."""
     out = []
     for m in _BLOCK_OR_INLINE.finditer(text):
-        lines = m["block"].splitlines() if m["block"] is not None else [m["inline"]]
+        if m["block"] is not None and m["lang"] not in ("", "bash", "sh", "console"):
+            continue  # a code block (python, yaml): skipped whole, so nothing in it reads as a command
+        lines = re.sub(r"\\\n\s*", " ", m["block"]).splitlines() if m["block"] is not None else [m["inline"]]
         for line in lines:
-            line = line.split(" # ")[0].strip()
+            line = line.split(" # ")[0].split("   #")[0].strip().rstrip("&").strip()
             if re.match(_COMMAND, line + " "):
                 out.append(line)
     return out

@@ -13,25 +13,14 @@ import sys
 import pytest
 
 from e2e_helpers import ROOT, env
+from readme_helpers import doc_commands
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-FENCE = re.compile(r"```(?:bash|sh|console)?\n(.*?)```", re.S)
-INLINE = re.compile(r"(?<!`)`((?:[A-Z_]+=\S+\s+)*(?:python|bash|torchrun|sbatch) [^`]+)`(?!`)")
 
 
 def _commands():
-    """(doc, command) for each shell command in a fenced block; continuations joined."""
-    out = []
-    for doc in DOCS:
-        for block in FENCE.findall(doc.read_text()):
-            joined = re.sub(r"\\\n\s*", " ", block)
-            for line in joined.splitlines():
-                line = line.split(" # ")[0].split("   #")[0].strip().rstrip("&").strip()
-                if re.match(r"^([A-Z_]+=\S+\s+)*(python|bash|torchrun|sbatch)\b", line):
-                    out.append((doc.name, line))
-        prose = FENCE.sub("", doc.read_text())
-        out += [(doc.name, cmd.strip()) for cmd in INLINE.findall(prose)]
-    return out
+    """(doc, command) for each shell command a doc shows (readme_helpers.doc_commands)."""
+    return [(doc.name, cmd) for doc in DOCS for cmd in doc_commands(doc.read_text())]
 
 
 COMMANDS = _commands()

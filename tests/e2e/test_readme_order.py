@@ -7,9 +7,9 @@ import re
 import shlex
 
 from e2e_helpers import ROOT
-from readme_helpers import README, SHORT, readme_commands
+from readme_helpers import README, SHORT, doc_commands
 
-ROW = re.compile(r"^(cispo:\S+)((?:\s+\S+){9})\s+\d+s$", re.M)  # a table row; the last column is the time
+ROW = re.compile(r"^(cispo:\S+)((?:\s+\S+){8})\s+\d+s$", re.M)  # a table row; the last column is the time
 
 
 def _rows(text: str) -> dict[str, list[str]]:
@@ -18,12 +18,12 @@ def _rows(text: str) -> dict[str, list[str]]:
 
 
 def test_the_readme_lists_the_commands_this_test_runs():
-    commands = readme_commands(README.read_text())
+    commands = doc_commands(README.read_text())
     assert commands[0] == "bash launch/demo.sh", commands  # the main job comes first
     assert any("megatron_cispo.train" in c for c in commands) and any("single_node.sh" in c for c in commands)
 
 
-def test_readme_commands_run_in_readme_order_each_into_its_own_default_run_dir(readme_run):
+def test_doc_commands_run_in_readme_order_each_into_its_own_default_run_dir(readme_run):
     assert len(readme_run.ran) >= 3, (readme_run.ran, readme_run.skipped)
     for cmd, proc in readme_run.ran:
         out = proc.stdout + proc.stderr
