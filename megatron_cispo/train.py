@@ -15,8 +15,12 @@ SIGINT (Ctrl-C) or SIGHUP: every rank finished the step and a checkpoint was wri
 where; rerun with run.resume=true (a second Ctrl-C stops at once without one: 130); 6
 (EXIT_SAVE_FAILED) a checkpoint could not be written (a full disk), rank 0 names the file and the
 free space. A config that differs across ranks (an ${ENV} value) is an EXIT_CONFIG error
-naming the keys and each rank's value. Under torchrun the launcher's own exit code is 1; its
-summary lists each worker's code.
+naming the keys and each rank's value; `--check` also refuses a run.run_dir that rank 0 would.
+Bare torchrun prints rank 0's line, then its agent's log lines and a ChildFailedError traceback
+whose summary lists each worker's exit code (about 40 lines), and exits 1 whatever they were. The
+launch scripts (launch/run_torchrun.py) print rank 0's line only and exit with the workers' code
+when every worker that failed returned the same one of REPORTED_EXIT_CODES, also when torchrun
+itself got the SIGTERM or SIGINT.
 """
 from __future__ import annotations
 
