@@ -83,8 +83,8 @@ def _attention_alone(chunks, mbs: list, layers: int):
     g = torch.Generator().manual_seed(2)
     inputs = []
     for mb in mbs:
-        b, t = mb["input_ids"].shape
-        psp = mb.get("packed_seq_params")
+        b, t = mb.input_ids.shape
+        psp = mb.packed_seq_params
         shape = (t, heads, dim) if psp is not None else (t, b, heads, dim)  # THD squeezes b=1
         inputs.append(([torch.randn(shape, generator=g) for _ in range(3)], psp))
 
@@ -144,7 +144,7 @@ def worker(cfg: dict, tp: int, threads: int) -> dict:
             fn()  # a step ends in host syncs (grad norm, metrics)
             if rep >= cfg["warmup"]:
                 times[name].append(time.perf_counter() - t0)
-    shapes = {k: [tuple(mb["input_ids"].shape) for mb in v] for k, v in mbs.items()}
+    shapes = {k: [tuple(mb.input_ids.shape) for mb in v] for k, v in mbs.items()}
     return {"times": times, "first": first, "shapes": shapes, "lengths": lengths.tolist(),
             "response": loss_mask.sum(1).tolist()}
 

@@ -57,8 +57,8 @@ def _ce_forward_step(calls: list):
     from megatron_cispo.step.forward import forward_step_for
 
     def loss_func(mb, logits):
-        losses = tensor_parallel.vocab_parallel_cross_entropy(logits, mb["targets"])
-        mask = mb["loss_mask"].float()
+        losses = tensor_parallel.vocab_parallel_cross_entropy(logits, mb.targets)
+        mask = mb.loss_mask.float()
         loss = torch.sum(losses * mask)
         num_tokens = mask.sum().detach().to(torch.int)
         return loss, num_tokens, {"lm loss": torch.cat([loss.detach().view(1), num_tokens.view(1)])}

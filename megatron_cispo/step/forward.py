@@ -3,7 +3,7 @@
     forward_step = make_forward_step(loss_cfg, temperature=1.0)          # whole plugin
     get_forward_backward_func()(forward_step_func=forward_step, ...)     # megatron's schedule
     loss_func = make_loss_func(loss_cfg)   # or only the loss, in your own forward_step:
-    return output_tensor, partial(loss_func, microbatch)                 # microbatch: a dict
+    return output_tensor, partial(loss_func, microbatch)                 # a step.microbatch.Microbatch
 
 On the last stage loss_func computes token logprobs (step/head.py: logits or fused head), runs
 the policy loss and returns (loss_scale * sum(weight * loss), tokens the model saw, Metrics):
@@ -12,7 +12,7 @@ and divides the gradient once, leaving sum(weight * loss) / the global denominat
 """
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 from functools import partial
 from typing import Optional
 
@@ -24,7 +24,8 @@ from ..config import LossConfig
 from ..losses import compute_policy_loss, per_token_policy_loss
 from ..vocab_softmax import resolve_group
 from .hooks import check_megatron_config
-from .head import head_logprobs, hidden_states_out, output_layer_of, unwrap
+from .head import forward_with_head, head_logprobs, unwrap
+from .microbatch import Microbatch
 from .packing import microbatches as build_microbatches
 from .packing import step_layout
 from .pipeline import broadcast_tensor_from_last_stage, is_last_stage
@@ -32,35 +33,31 @@ from .rollouts import Rollouts, StepConfig
 
 
 def forward_step_for(loss_func, calls: Optional[list] = None, head: str = "logits", moe=None):
-    """forward_step(data_iterator, model) that runs the model on a microbatch dict (step.packing)
+    """forward_step(data_iterator, model) that runs the model on a Microbatch (step.microbatch)
     and hands `loss_func(mb, output)` to the schedule; `calls` gets one entry per model forward.
 
     Passes packed_seq_params and the MoE padding_mask when the microbatch has them, and asks a
     Float16Module for its output in the model's dtype (fp32_output=False): the heads upcast chunk
     by chunk, so an fp32 copy of the logits is never needed. head="fused": on the last stage the
-    output layer is bypassed for this forward; the model returns the hidden states and the
-    microbatch given to loss_func gains "head_weight" (the output or tied embedding weight) and
-    "head_sequence_parallel", for fused_token_logprobs. moe: a step.moe.RouterStats to tell
-    which microbatch the routers' records belong to."""
+    output layer is bypassed for this forward (head.forward_with_head); the model returns the
+    hidden states and the microbatch given to loss_func carries the FusedHead. moe: a
+    step.moe.RouterStats to tell which microbatch the routers' records belong to."""
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
         if calls is not None:
             calls.append(1)
-        if moe is not None:  # step.moe.RouterStats: the routers' records go to this microbatch
-            moe.start(mb["n_seqs"])
+        if moe is not None:
+            moe.start(mb.n_seqs)
         kwargs = {}
-        if mb.get("packed_seq_params") is not None:
-            kwargs["packed_seq_params"] = mb["packed_seq_params"]
-        if mb.get("padding_mask") is not None:
-            kwargs["padding_mask"] = mb["padding_mask"]
+        if mb.packed_seq_params is not None:
+            kwargs["packed_seq_params"] = mb.packed_seq_params
+        if mb.padding_mask is not None:
+            kwargs["padding_mask"] = mb.padding_mask
         if unwrap(model)[1]:
             kwargs["fp32_output"] = False
-        layer = output_layer_of(model) if head == "fused" else None
-        captured: dict = {}
-        with hidden_states_out(layer, captured) if layer is not None else contextlib.nullcontext():
-            output = model(mb["input_ids"], mb["position_ids"], None, **kwargs)
-        if captured:
-            mb = {**mb, "head_weight": captured["weight"], "head_sequence_parallel": captured["sequence_parallel"]}
+        output, fused = forward_with_head(model, head, mb.input_ids, mb.position_ids, None, **kwargs)
+        if fused is not None:
+            mb = dataclasses.replace(mb, fused=fused)
         return output, partial(loss_func, mb)
     return forward_step
 
@@ -87,11 +84,11 @@ def make_loss_func(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_size
                    old_from_current: bool = False, entropy: bool = True, cp_group=None):
     """loss_func(microbatch, logits) -> (loss_sum, num_tokens int, Metrics), megatron's 3-tuple.
 
-    microbatch: a dict from step.packing ("targets", "loss_mask", "advantages" [b, s] or a packed
-    [1, T]; optional "old/rollout/ref_logprobs" and "token_keep" (M2PO's selection, bool: False =
-    no loss, still in the denominator); "seq_index", "n_seqs"). logits: [b, s, v/tp]
-    as GPTModel returns them. With "agg_weight", "agg_share", "loss_scale" and "num_tokens" (what
-    policy_step adds) the loss is exact for any split: it returns loss_scale * sum(weight * loss)
+    microbatch: a step.microbatch.Microbatch (targets, loss_mask, advantages [b, s] or a packed
+    [1, T]; optional old/rollout/ref_logprobs and token_keep, M2PO's selection: False = no loss,
+    still in the denominator; seq_index, n_seqs). logits: [b, s, v/tp] as GPTModel returns them.
+    With agg_weight, agg_share, loss_scale and num_tokens (what policy_step adds) the loss is
+    exact for any split: it returns loss_scale * sum(weight * loss)
     with num_tokens = the tokens the model (and an MoE router) saw, and megatron's division by
     the summed num_tokens leaves sum(weight * loss) / the global denominator. Without them, the
     microbatch is normalised on its own: (loss_sum, its denominator, Metrics).
@@ -101,23 +98,22 @@ def make_loss_func(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_size
     """
     want_entropy = entropy or loss_cfg.entropy_coef != 0
 
-    def loss_func(mb: dict, output: Tensor):
-        mask = mb["loss_mask"]
+    def loss_func(mb: Microbatch, output: Tensor):
         out = head_logprobs(mb, output, temperature=temperature, vocab_size=vocab_size, entropy=want_entropy,
                             head_fp32=loss_cfg.head_fp32)
         lp, ent = out if want_entropy else (out, None)
-        old = lp.detach() if old_from_current else mb.get("old_logprobs")
-        given = dict(advantages=mb["advantages"], loss_mask=mask, old_logprobs=old,
-                     rollout_logprobs=mb.get("rollout_logprobs"), ref_logprobs=mb.get("ref_logprobs"), entropy=ent,
-                     keep=mb.get("token_keep"))  # M2PO's selection (step.m2po), made before the step
-        if "agg_weight" not in mb:
+        old = lp.detach() if old_from_current else mb.old_logprobs
+        given = dict(advantages=mb.advantages, loss_mask=mb.loss_mask, old_logprobs=old,
+                     rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs, entropy=ent,
+                     keep=mb.token_keep)  # M2PO's selection (step.m2po), made before the step
+        if mb.agg_weight is None:
             res = compute_policy_loss(loss_cfg, lp, **given)
             return res.loss_sum, res.denominator.round().to(torch.int), res.metrics
-        seq_sum = _segment_sum(mb["seq_index"], mb["n_seqs"], _cp_group(cp_group))
+        seq_sum = _segment_sum(mb.seq_index, mb.n_seqs, _cp_group(cp_group))
         per_token, valid, m = per_token_policy_loss(loss_cfg, lp, seq_sum=seq_sum, **given)
-        loss_sum = (per_token * mb["agg_weight"]).sum()
-        m.sums["policy/loss"] = (loss_sum.detach(), (mb["agg_share"] * valid).sum())
-        return loss_sum * mb["loss_scale"], mb["num_tokens"], m
+        loss_sum = (per_token * mb.agg_weight).sum()
+        m.sums["policy/loss"] = (loss_sum.detach(), (mb.agg_share * valid).sum())
+        return loss_sum * mb.loss_scale, mb.num_tokens, m
 
     return loss_func
 
@@ -126,7 +122,7 @@ def make_forward_step(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_s
                       old_from_current: bool = False, entropy: bool = True, calls: Optional[list] = None):
     """forward_step(data_iterator, model) for megatron-core's schedules: the whole loss plugin.
 
-    The iterator yields microbatch dicts (step.packing); loss_func is `make_loss_func`'s. The first
+    The iterator yields Microbatches (step.microbatch); loss_func is `make_loss_func`'s. The first
     call checks the model config (check_megatron_config: per-token loss and the loop's hooks).
     `calls`, if given, gets one entry per model forward (for tests and benchmarks).
     """
@@ -144,15 +140,15 @@ def make_forward_step(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_s
 
 
 def run_schedule(chunks, forward_step, microbatches: list, *, forward_only: bool):
-    """megatron's forward/backward over `microbatches` (dicts from step.packing); returns what the
-    loss functions reported, one entry per microbatch, on the last pipeline stage."""
+    """megatron's forward/backward over `microbatches` (step.microbatch.Microbatch); returns what
+    the loss functions reported, one entry per microbatch, on the last pipeline stage."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     its = [iter(microbatches) for _ in chunks]
     return get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=its if len(chunks) > 1 else its[0],
         model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(microbatches),
-        seq_length=microbatches[0]["seq_length"], micro_batch_size=microbatches[0]["input_ids"].shape[0],
+        seq_length=microbatches[0].seq_length, micro_batch_size=microbatches[0].input_ids.shape[0],
         forward_only=forward_only)
 
 
@@ -172,7 +168,7 @@ def compute_logprobs(chunks, batch: Rollouts, step_cfg: StepConfig, *, vocab_siz
         lp = head_logprobs(mb, output, temperature=temperature, vocab_size=vocab_size, entropy=False,
                            head_fp32=head_fp32)
         return lp.sum(), torch.zeros((), dtype=torch.int, device=lp.device), \
-            {"logprobs": lp.detach(), "gather_index": mb["gather_index"]}
+            {"logprobs": lp.detach(), "gather_index": mb.gather_index}
 
     forward_step = forward_step_for(loss_func, calls, head=head)
     modes = [c.training for c in chunks]
@@ -183,7 +179,7 @@ def compute_logprobs(chunks, batch: Rollouts, step_cfg: StepConfig, *, vocab_siz
     finally:
         for c, mode in zip(chunks, modes):
             c.train(mode)
-    device = microbatches[0]["input_ids"].device
+    device = microbatches[0].input_ids.device
     full = None
     if is_last_stage():
         full = torch.zeros(shape[0] * shape[1], dtype=torch.float32, device=device)

@@ -1,14 +1,15 @@
 """The output head: score a microbatch from the model's logits, or fuse the output layer into the
 logprobs so that the [tokens, vocab/tp] logits never exist (loss.head = "logits" | "fused").
 
-    with hidden_states_out(output_layer_of(model), captured):   # fused: the model returns hidden
-        output = model(input_ids, position_ids, None)
-    lp = head_logprobs(mb, output, temperature=1.0, vocab_size=None, entropy=False)
-Used by the step's loss function and forward-only passes, and by the Megatron-LM drop-in.
+    output, fused = forward_with_head(model, "fused", input_ids, position_ids, None)  # or "logits"
+    lp = score_output(output, fused, targets, temperature=1.0)
+Used by the step's loss function and forward-only passes (head_logprobs: a Microbatch), and by
+the Megatron-LM drop-in's get_logprobs.
 """
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -46,26 +47,60 @@ def hidden_states_out(layer, captured: dict):
         del layer.forward
 
 
-def head_logprobs(mb: dict, output: Tensor, *, temperature: float, vocab_size: Optional[int], entropy: bool,
-                  head_fp32: bool = False):
-    """Token logprobs [b, s] fp32 (and entropy) of microbatch `mb` from the model's output: logits
-    [b, s, v/tp], or with "head_weight" in mb the hidden states [b, s(/tp), h] for the fused head.
-    Untrained positions are masked, so pad ids are never range-checked or scored. With "kept_set"
-    in mb (a KeptSet over its [b, s] positions) each position is scored over the sampler's kept set."""
-    targets, mask = mb["targets"], mb["loss_mask"] != 0  # Megatron's loss masks are often float
-    keep = mb.get("kept_set")
-    if "head_weight" in mb:
+@dataclass(frozen=True)
+class FusedHead:
+    """The output layer a fused-head forward bypassed: its weight [v_local, h] (its own or the tied
+    embedding's) and whether its input is sequence-parallel."""
+
+    weight: Tensor
+    sequence_parallel: bool
+
+
+def forward_with_head(model, head: str, *args, **kwargs) -> tuple[Tensor, Optional[FusedHead]]:
+    """model(*args, **kwargs) and the head decision, made once for the step and the Megatron-LM
+    drop-in: head="fused" on the last stage bypasses the output layer, so the model returns the
+    hidden states [b, s(/tp), h] and the FusedHead to score them with; otherwise (None) the
+    output is the model's own (logits [b, s, v/tp] on the last stage)."""
+    layer = output_layer_of(model) if head == "fused" else None
+    if layer is None:
+        return model(*args, **kwargs), None
+    captured: dict = {}
+    with hidden_states_out(layer, captured):
+        output = model(*args, **kwargs)
+    return output, (FusedHead(captured["weight"], captured["sequence_parallel"]) if captured else None)
+
+
+def score_output(output: Tensor, fused: Optional[FusedHead], targets: Tensor, *, temperature: float,
+                 vocab_size: Optional[int] = None, entropy: bool = False, mask: Optional[Tensor] = None,
+                 head_fp32: bool = False, keep=None, tp_group=None):
+    """Token logprobs [b, s] fp32 (and entropy) of `targets` [b, s] from what forward_with_head
+    returned: logits [b, s, v/tp] through token_logprobs (their buffer takes the gradient), or
+    with `fused` the hidden states [b, s(/tp), h] through fused_token_logprobs, in fp32 when
+    head_fp32 or when the hidden states' dtype is not the weight's. mask: [b, s] bool; keep: a
+    KeptSet over the [b, s] positions (sampling-mask replay)."""
+    if fused is not None:
         from ..fused_head import fused_token_logprobs
 
         b, s = targets.shape
         if keep is not None and b > 1:  # the fused head's positions run [s, b]
             keep = keep.take(torch.arange(b * s, device=targets.device).view(b, s).t())
+        upcast = head_fp32 or output.dtype != fused.weight.dtype
         out = fused_token_logprobs(
-            output.transpose(0, 1), mb["head_weight"], targets.t(), sequence_parallel=mb["head_sequence_parallel"],
-            temperature=temperature, return_entropy=entropy, vocab_size=vocab_size, mask=mask.t(),
-            head_dtype=torch.float32 if head_fp32 else None, keep=keep)
+            output.transpose(0, 1), fused.weight, targets.t(), tp_group=tp_group,
+            sequence_parallel=fused.sequence_parallel, temperature=temperature, return_entropy=entropy,
+            vocab_size=vocab_size, mask=None if mask is None else mask.t(),
+            head_dtype=torch.float32 if upcast else None, keep=keep)
         return tuple(t.t() for t in out) if entropy else out.t()
     # The logits are dead once the loss is formed (nothing here or in the schedule reads them
     # again), so their buffer takes the gradient: at b=1 no second [s, v/tp] shard is allocated.
-    return token_logprobs(output, targets, temperature=temperature, vocab_size=vocab_size,
+    return token_logprobs(output, targets, tp_group=tp_group, temperature=temperature, vocab_size=vocab_size,
                           return_entropy=entropy, mask=mask, inplace_backward=True, keep=keep)
+
+
+def head_logprobs(mb, output: Tensor, *, temperature: float, vocab_size: Optional[int], entropy: bool,
+                  head_fp32: bool = False):
+    """score_output for a step.microbatch.Microbatch: its targets, its untrained positions masked
+    (so pad ids are never range-checked or scored), its kept sets, its fused head if any."""
+    return score_output(output, mb.fused, mb.targets, temperature=temperature, vocab_size=vocab_size,
+                        entropy=entropy, mask=mb.loss_mask != 0,  # Megatron's loss masks are often float
+                        head_fp32=head_fp32, keep=mb.kept_set)

@@ -1,4 +1,4 @@
-"""Rollouts -> microbatch dicts for megatron's schedules: packed [1, T] bins (THD) or padded rows.
+"""Rollouts -> Microbatches for megatron's schedules: packed [1, T] bins (THD) or padded rows.
 
     layout = Layout(cp=2, cp_rank=r, pad_multiple=4)
     mbs = packed_microbatches(batch, weights, plan_bins(batch, 4096, layout), layout=layout)
@@ -11,7 +11,7 @@ come from the whole global batch (losses.token_weights), so any split sums to th
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -21,6 +21,7 @@ from torch import Tensor
 from ..config import LossConfig
 from ..losses import token_weights, valid_tokens
 from .head import unwrap
+from .microbatch import Microbatch
 from .reduce import all_reduce_in
 from .rollouts import Rollouts, StepConfig
 
@@ -113,7 +114,7 @@ def plan_bins(batch: Rollouts, budget: int, window: Optional[int] = None) -> lis
 
 
 def packed_microbatches(batch: Rollouts, weights: tuple[Tensor, Tensor], bins: list[list[int]], *,
-                        layout: Layout, token_fields: Optional[dict[str, Tensor]] = None) -> list[dict]:
+                        layout: Layout, token_fields: Optional[dict[str, Tensor]] = None) -> list[Microbatch]:
     """One [1, T_local] microbatch per bin of row indices (an empty bin is all padding). Each
     sequence is padded to layout.pad_multiple, so a bin may exceed the budget by that padding.
 
@@ -159,23 +160,20 @@ def packed_microbatches(batch: Rollouts, weights: tuple[Tensor, Tensor], bins: l
             return (t if keep is None else t[keep])[None]
         cu_pad = torch.tensor([0, *segs], dtype=torch.int32, device=dev).cumsum(0, dtype=torch.int32)
         cu = torch.tensor([0, *real], dtype=torch.int32, device=dev).cumsum(0, dtype=torch.int32)
-        mb = {"input_ids": local(ids), "targets": local(tgt), "position_ids": local(pos),
-              "gather_index": local(gidx), "seq_index": local(seg), "n_seqs": len(rows),
-              **{k: local(v) for k, v in per.items()},
-              "packed_seq_params": PackedSeqParams(
-                  qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_pad,
-                  cu_seqlens_kv_padded=cu_pad, max_seqlen_q=max(segs), max_seqlen_kv=max(segs)),
-              "seq_length": total}
         pad_mask = local(pad)
-        mb["num_tokens"] = (~pad_mask).sum().to(torch.int)
-        if layout.padding_mask:
-            mb["padding_mask"] = pad_mask
-        out.append(mb)
+        out.append(Microbatch(
+            input_ids=local(ids), targets=local(tgt), position_ids=local(pos), gather_index=local(gidx),
+            seq_index=local(seg), n_seqs=len(rows), **{k: local(v) for k, v in per.items()},
+            packed_seq_params=PackedSeqParams(
+                qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_pad,
+                cu_seqlens_kv_padded=cu_pad, max_seqlen_q=max(segs), max_seqlen_kv=max(segs)),
+            seq_length=total, num_tokens=(~pad_mask).sum().to(torch.int),
+            padding_mask=pad_mask if layout.padding_mask else None))
     return out
 
 
 def padded_microbatches(batch: Rollouts, weights: tuple[Tensor, Tensor], *, micro_batch_size: int,
-                        layout: Layout, token_fields: Optional[dict[str, Tensor]] = None) -> list[dict]:
+                        layout: Layout, token_fields: Optional[dict[str, Tensor]] = None) -> list[Microbatch]:
     """Rows of `batch` in groups of micro_batch_size, [b, S] with S = s padded to pad_multiple."""
     if layout.cp > 1:
         raise ValueError(f"context parallelism (cp={layout.cp}) needs packed microbatches: set "
@@ -198,13 +196,11 @@ def padded_microbatches(batch: Rollouts, weights: tuple[Tensor, Tensor], *, micr
     for r0 in range(0, n, micro_batch_size):
         r = slice(r0, r0 + micro_batch_size)
         b = ids[r].shape[0]
-        mb = {"input_ids": ids[r], "targets": tgt[r], "position_ids": pos.expand(b, width),
-              "gather_index": gidx[r], "seq_index": torch.arange(b, device=dev)[:, None].expand(b, width),
-              "n_seqs": b, **{k: v[r] for k, v in fields.items()}, "seq_length": width,
-              "num_tokens": (~pad[r]).sum().to(torch.int)}
-        if layout.padding_mask:
-            mb["padding_mask"] = pad[r]
-        out.append(mb)
+        out.append(Microbatch(
+            input_ids=ids[r], targets=tgt[r], position_ids=pos.expand(b, width), gather_index=gidx[r],
+            seq_index=torch.arange(b, device=dev)[:, None].expand(b, width), n_seqs=b,
+            **{k: v[r] for k, v in fields.items()}, seq_length=width, num_tokens=(~pad[r]).sum().to(torch.int),
+            padding_mask=pad[r] if layout.padding_mask else None))
     return out
 
 
@@ -224,8 +220,8 @@ def step_layout(chunks, step_cfg: StepConfig) -> Layout:
 
 
 def microbatches(batch: Rollouts, loss_cfg: Optional[LossConfig], step_cfg: StepConfig, layout: Layout,
-                 dp_group, token_fields: Optional[dict[str, Tensor]] = None) -> list[dict]:
-    """`batch` (DP-local; one optimizer step's share) as microbatch dicts for the schedule.
+                 dp_group, token_fields: Optional[dict[str, Tensor]] = None) -> list[Microbatch]:
+    """`batch` (DP-local; one optimizer step's share) as Microbatches for the schedule.
 
     With a loss_cfg, attach the exact global normalisation (without: a forward-only pass). The
     per-token aggregation weights come from the whole batch, and one SUM all-reduce over DP gives
@@ -234,7 +230,8 @@ def microbatches(batch: Rollouts, loss_cfg: Optional[LossConfig], step_cfg: Step
     loss_scale = N / D and num_tokens = its own model tokens, so megatron's division by the
     summed num_tokens (N) leaves the exact global loss, and an MoE router's aux loss is scaled by
     the tokens it saw. Packed: every DP rank runs the same number of bins (MAX all-reduce).
-    token_fields: extra [n, s] tensors, cut into every microbatch as loss_mask is (packed, padded, CP).
+    token_fields: extra [n, s] Microbatch fields (token_keep), cut into every microbatch as
+    loss_mask is (packed, padded, CP).
     """
     dev = batch.tokens.device
     if loss_cfg is not None:
@@ -260,18 +257,15 @@ def microbatches(batch: Rollouts, loss_cfg: Optional[LossConfig], step_cfg: Step
                              f"max_tokens_per_microbatch={budget}; raise the budget")
         bins += [[] for _ in range(count - len(bins))]
         mbs = packed_microbatches(batch, (w, share), bins, layout=layout, token_fields=token_fields)
-    kept = batch.kept()  # sampling-mask replay: each microbatch's positions' sets, via its gather index
-    for mb in mbs if kept is not None else []:
-        mb["kept_set"] = kept.take(mb["gather_index"])  # padding (-1): empty, the full vocabulary
+    extra: dict = {}
     if loss_cfg is not None:
         totals = torch.stack([denom.double(), batch.target_lengths().sum().double()]).to(dev)
         all_reduce_in(totals, dist.ReduceOp.SUM, dp_group)
         d_global, n_global = totals.tolist()
-        scale = n_global / d_global if d_global > 0 else 0.0
-        for mb in mbs:
-            mb["loss_scale"] = scale
+        extra["loss_scale"] = n_global / d_global if d_global > 0 else 0.0
     else:
-        for mb in mbs:
-            for k in ("agg_weight", "agg_share"):
-                mb.pop(k)
-    return mbs
+        extra.update(agg_weight=None, agg_share=None)
+    kept = batch.kept()  # sampling-mask replay: each microbatch's positions' sets, via its gather index
+    # padding (gather index -1) gets an empty set: the full vocabulary
+    return [replace(mb, **extra, **({} if kept is None else {"kept_set": kept.take(mb.gather_index)}))
+            for mb in mbs]

@@ -14,14 +14,15 @@ def tied_worker(tp: int):
     from megatron_cispo.runner.specs import layer_spec
     from megatron_cispo.runner.weights import init_layout_independent
     from megatron_cispo.step.head import head_logprobs
+    from megatron_cispo.step import Microbatch
     from megatron_cispo.step.forward import forward_step_for
 
     distributed.init_distributed(tp=tp)
     cfg = ModelConfig(vocab_size=32, seq_length=12, hidden_size=24, num_layers=1, num_attention_heads=4)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 32, (2, 12), generator=g)
-    mb = {"input_ids": tokens[:, :-1], "position_ids": torch.arange(11).expand(2, 11), "targets": tokens[:, 1:],
-          "loss_mask": torch.ones(2, 11, dtype=torch.bool)}
+    mb = Microbatch(input_ids=tokens[:, :-1], position_ids=torch.arange(11).expand(2, 11), targets=tokens[:, 1:],
+                    loss_mask=torch.ones(2, 11, dtype=torch.bool), advantages=torch.zeros(2, 11))
     out = {}
     for head in ("logits", "fused"):
         model = GPTModel(config=transformer_config(cfg, tp=tp, pp=1), transformer_layer_spec=layer_spec(cfg),
@@ -31,7 +32,7 @@ def tied_worker(tp: int):
         seen = {}
 
         def loss_func(batch, output):
-            seen["fused"] = "head_weight" in batch
+            seen["fused"] = batch.fused is not None
             lp = head_logprobs(batch, output, temperature=1.0, vocab_size=32, entropy=False)
             return lp, None
 

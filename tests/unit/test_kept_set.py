@@ -2,6 +2,8 @@
 logprob ops' keep= (values and gradients against an fp64 masked log_softmax, transcriptions of
 vLLM's and slime's formulas), the Rollouts fields and the microbatch kept sets, and the demo
 sampler's top-k / top-p."""
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -331,29 +333,31 @@ def test_each_microbatch_carries_its_positions_kept_sets(packed, cp):
     for cp_rank in range(cp):
         for mb in microbatches(batch, None, step_cfg, Layout(cp=cp, cp_rank=cp_rank, pad_multiple=2 * cp),
                                dp_group=None):
-            ks, gidx = mb["kept_set"], mb["gather_index"].reshape(-1).tolist()
+            ks, gidx = mb.kept_set, mb.gather_index.reshape(-1).tolist()
             assert ks.n == len(gidx)
             off, ids = ks.offsets.tolist(), ks.ids.tolist()
             for p, g in enumerate(gidx):
                 want = [] if g < 0 else lists[g // s][g % s]  # padding: empty (the full vocabulary)
                 assert ids[off[p]:off[p + 1]] == want
                 if g >= 0 and want:
-                    assert int(mb["targets"].reshape(-1)[p]) in want
+                    assert int(mb.targets.reshape(-1)[p]) in want
                     seen.add(g)
     assert seen == {i * s + j for i, r in enumerate(lists) for j, k in enumerate(r) if k}
 
 
 def test_head_logprobs_scores_the_microbatch_over_its_kept_sets_with_either_head():
-    from megatron_cispo.step.head import head_logprobs
+    from megatron_cispo.step import Microbatch
+    from megatron_cispo.step.head import FusedHead, head_logprobs
 
     b, s, h = 3, 5, 8
     x, t, keep = _case(n=b * s, v=V)
     g = torch.Generator().manual_seed(2)
     hidden, weight = torch.randn(b, s, h, generator=g), torch.randn(V, h, generator=g)
-    mb = {"targets": t.view(b, s), "loss_mask": torch.ones(b, s), "kept_set": KeptSet.from_mask(keep)}
+    mb = Microbatch(targets=t.view(b, s), loss_mask=torch.ones(b, s), advantages=torch.zeros(b, s),
+                    kept_set=KeptSet.from_mask(keep))
     ref, _ = _dense_reference(F.linear(hidden.double(), weight.double()).view(-1, V), t, keep, temperature=1.0)
     logits_lp = head_logprobs(mb, F.linear(hidden, weight), temperature=1.0, vocab_size=None, entropy=False)
-    fused_lp = head_logprobs({**mb, "head_weight": weight, "head_sequence_parallel": False}, hidden,
+    fused_lp = head_logprobs(dataclasses.replace(mb, fused=FusedHead(weight, False)), hidden,
                              temperature=1.0, vocab_size=None, entropy=False)
     for lp in (logits_lp, fused_lp):
         assert lp.shape == (b, s)

@@ -147,8 +147,8 @@ def test_the_keep_mask_reaches_every_microbatch_at_its_tokens(packed, cp):
         mbs = packed_microbatches(batch, w, plan_bins(batch, 12, 2), layout=layout, token_fields=fields) if packed \
             else padded_microbatches(batch, w, micro_batch_size=2, layout=layout, token_fields=fields)
         for mb in mbs:
-            idx, got = mb["gather_index"].reshape(-1), mb["token_keep"].reshape(-1)
-            assert mb["token_keep"].dtype == torch.bool and mb["token_keep"].shape == mb["loss_mask"].shape
+            idx, got = mb.gather_index.reshape(-1), mb.token_keep.reshape(-1)
+            assert mb.token_keep.dtype == torch.bool and mb.token_keep.shape == mb.loss_mask.shape
             assert torch.equal(got[idx >= 0], keep.reshape(-1)[idx[idx >= 0]])
             seen += idx[idx >= 0].tolist()
     real = (torch.arange(s)[None] < lengths[:, None] - 1).reshape(-1).nonzero()[:, 0].tolist()

@@ -391,8 +391,8 @@ def test_vocab_parallel_get_logprobs_keeps_the_shard_and_matches_log_softmax(mon
 
 
 def test_vocab_parallel_get_logprobs_scores_the_full_contiguous_shard_without_a_copy(monkeypatch):
-    from megatron_cispo.integrations.megatron_lm import vocab_logprobs
     from megatron_cispo.logprobs import IGNORE_INDEX, token_logprobs
+    from megatron_cispo.step import head
 
     tree = _Tree(monkeypatch)
     tree.args = _args(bf16=False)
@@ -404,7 +404,7 @@ def test_vocab_parallel_get_logprobs_scores_the_full_contiguous_shard_without_a_
         seen.append((x, targets))
         return token_logprobs(x, targets, **kw)
 
-    monkeypatch.setattr(vocab_logprobs, "token_logprobs", spy)
+    monkeypatch.setattr(head, "token_logprobs", spy)  # the drop-in scores through step.head.score_output
     lp = mlm.get_logprobs(_Model(logits), tokens, torch.arange(6).expand(2, 6))
     (x, targets), = seen
     # the model's own buffer, not an [:, :-1] view that token_logprobs would have to copy

@@ -55,16 +55,16 @@ def _check_tokens(batch, mbs):
     n, s = batch.tokens.shape[0], batch.tokens.shape[1] - 1
     seen = torch.zeros(n * s, dtype=torch.int64)
     for mb in mbs:
-        g = mb["gather_index"].reshape(-1)
+        g = mb.gather_index.reshape(-1)
         real = g >= 0
         rows, cols = g[real] // s, g[real] % s
-        assert torch.equal(mb["input_ids"].reshape(-1)[real], batch.tokens[rows, cols])
-        assert torch.equal(mb["targets"].reshape(-1)[real], batch.tokens[rows, cols + 1])
-        assert torch.equal(mb["position_ids"].reshape(-1)[real], cols)
-        assert torch.equal(mb["loss_mask"].reshape(-1)[real], batch.loss_mask[rows, cols])
-        assert not mb["loss_mask"].reshape(-1)[~real].any() and not mb["agg_weight"].reshape(-1)[~real].any()
-        assert torch.equal(mb["advantages"].reshape(-1)[real], batch.advantages[rows])
-        assert int(mb["num_tokens"]) == int(real.sum())
+        assert torch.equal(mb.input_ids.reshape(-1)[real], batch.tokens[rows, cols])
+        assert torch.equal(mb.targets.reshape(-1)[real], batch.tokens[rows, cols + 1])
+        assert torch.equal(mb.position_ids.reshape(-1)[real], cols)
+        assert torch.equal(mb.loss_mask.reshape(-1)[real], batch.loss_mask[rows, cols])
+        assert not mb.loss_mask.reshape(-1)[~real].any() and not mb.agg_weight.reshape(-1)[~real].any()
+        assert torch.equal(mb.advantages.reshape(-1)[real], batch.advantages[rows])
+        assert int(mb.num_tokens) == int(real.sum())
         seen.index_add_(0, g[real], torch.ones_like(g[real]))
     lengths = batch.target_lengths()
     want = (torch.arange(s)[None, :] < lengths[:, None]).reshape(-1).long()
@@ -83,12 +83,12 @@ def test_packed_microbatches_shift_before_the_split_and_cover_every_token_once(c
         layout = Layout(cp=cp, cp_rank=r, pad_multiple=multiple)
         mbs = packed_microbatches(batch, w, bins, layout=layout)
         for mb, rows in zip(mbs, bins):
-            t_local = mb["input_ids"].shape[1]
+            t_local = mb.input_ids.shape[1]
             padded = sum(-(-(int(batch.lengths[i]) - 1) // multiple) * multiple for i in rows)
-            assert mb["input_ids"].shape[0] == 1 and t_local * cp == mb["seq_length"] == padded
+            assert mb.input_ids.shape[0] == 1 and t_local * cp == mb.seq_length == padded
             assert t_local % sp_tp == 0  # sequence parallelism scatters the local tokens over TP
-            cu = mb["packed_seq_params"].cu_seqlens_q_padded
-            assert int(cu[-1]) == mb["seq_length"] and all(int(x) % multiple == 0 for x in cu)
+            cu = mb.packed_seq_params.cu_seqlens_q_padded
+            assert int(cu[-1]) == mb.seq_length and all(int(x) % multiple == 0 for x in cu)
         all_mbs += mbs
     _check_tokens(batch, all_mbs)
 
@@ -97,7 +97,7 @@ def test_padded_microbatches_cover_every_token_once_and_refuse_cp():
     batch = _batch([13, 5, 9, 2])
     w = token_weights(batch.loss_mask, "token_mean")[:2]
     mbs = padded_microbatches(batch, w, micro_batch_size=2, layout=Layout(pad_multiple=4))
-    assert [mb["input_ids"].shape for mb in mbs] == [torch.Size([2, 12])] * 2
+    assert [mb.input_ids.shape for mb in mbs] == [torch.Size([2, 12])] * 2
     _check_tokens(batch, mbs)
     with pytest.raises(ValueError, match="cp=2.* needs packed microbatches"):
         padded_microbatches(batch, w, micro_batch_size=2, layout=Layout(cp=2, pad_multiple=4))
@@ -108,8 +108,8 @@ def test_uniform_bins_are_padded_to_the_longest_and_empty_bins_are_all_padding()
     layout = Layout(pad_multiple=2, uniform=True)
     bins = plan_bins(batch, 14) + [[]]
     mbs = packed_microbatches(batch, token_weights(batch.loss_mask, "token_mean")[:2], bins, layout=layout)
-    assert all(mb["input_ids"].shape == (1, 12) for mb in mbs)  # bins [12] and [4 + 8]
-    assert int(mbs[-1]["num_tokens"]) == 0 and not mbs[-1]["loss_mask"].any() and mbs[-1]["n_seqs"] == 0
+    assert all(mb.input_ids.shape == (1, 12) for mb in mbs)  # bins [12] and [4 + 8]
+    assert int(mbs[-1].num_tokens) == 0 and not mbs[-1].loss_mask.any() and mbs[-1].n_seqs == 0
     _check_tokens(batch, mbs)
 
 
@@ -135,10 +135,10 @@ def test_weighted_microbatches_carry_the_global_scale_n_over_d():
     mbs = microbatches(batch, cfg, StepConfig(max_tokens_per_microbatch=16), Layout(), dp_group=None)
     n_tokens = int(batch.target_lengths().sum())
     seqs = int((batch.loss_mask.sum(1) > 0).sum())
-    assert {mb["loss_scale"] for mb in mbs} == {n_tokens / seqs}
-    assert sum(int(mb["num_tokens"]) for mb in mbs) == n_tokens
+    assert {mb.loss_scale for mb in mbs} == {n_tokens / seqs}
+    assert sum(int(mb.num_tokens) for mb in mbs) == n_tokens
     scoring = microbatches(batch, None, StepConfig(micro_batch_size=2), Layout(), dp_group=None)
-    assert all("loss_scale" not in mb and "agg_weight" not in mb for mb in scoring)
+    assert all(mb.loss_scale is None and mb.agg_weight is None and mb.agg_share is None for mb in scoring)
 
 
 def test_rollouts_refuse_lengths_that_contradict_the_loss_mask():

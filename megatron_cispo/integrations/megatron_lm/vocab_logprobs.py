@@ -4,7 +4,8 @@ Same signature and outputs, but the model is run with runtime_gather_output=Fals
 stage keeps its [b, s, v/tp] logit shard, and `token_logprobs` forms the logprobs with two small
 TP all-reduces instead of materialising [b, s, v] per rank. With --cispo-head fused the output
 layer is bypassed and `fused_token_logprobs` scores the hidden states chunk by chunk, so the
-logits never exist. install() puts it in place.
+logits never exist; the head is chosen and scored as in policy_step (step.head.forward_with_head,
+score_output). install() puts it in place.
 """
 from __future__ import annotations
 
@@ -15,9 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ...fused_head import fused_token_logprobs
-from ...logprobs import IGNORE_INDEX, token_logprobs
-from ...step.head import hidden_states_out, output_layer_of, unwrap
+from ...logprobs import IGNORE_INDEX
+from ...step.head import forward_with_head, score_output, unwrap
 from .settings import logprob_temperature, loss_config
 
 RL_UTILS = "megatron.rl.rl_utils"
@@ -45,16 +45,14 @@ def get_logprobs(model, tokens, position_ids, no_grad=False, sequence_packing=Fa
     flash_decode = model.config.flash_decode
     model.config.flash_decode = False
     head = loss_config()
-    layer = output_layer_of(model) if head.head == "fused" else None
-    captured: dict = {}
     # Megatron-LM's value (no fp32 upcast of the [b, s, v/tp] shard in a bf16/fp16 run), but only
     # where a Float16Module takes it: GPTModel.forward has no **kwargs.
     precision = {"fp32_output": not (args.fp16 or args.bf16)} if unwrap(model)[1] else {}
     try:
-        with torch.no_grad() if no_grad else nullcontext(), \
-                hidden_states_out(layer, captured) if layer is not None else nullcontext():
-            output = model(tokens, position_ids, None, packed_seq_params=packed_seq_params,
-                           runtime_gather_output=False, **precision)
+        with torch.no_grad() if no_grad else nullcontext():
+            output, fused = forward_with_head(model, head.head, tokens, position_ids, None,
+                                              packed_seq_params=packed_seq_params, runtime_gather_output=False,
+                                              **precision)
     finally:
         model.config.flash_decode = flash_decode
 
@@ -67,15 +65,8 @@ def get_logprobs(model, tokens, position_ids, no_grad=False, sequence_packing=Fa
     # in-place gradient.
     targets = F.pad(tokens[:, 1:], (0, 1), value=IGNORE_INDEX)
     with torch.no_grad() if no_grad else nullcontext():
-        if captured:  # output: hidden states [b, s(/tp), h], model dtype unless upcast
-            weight = captured["weight"]
-            logprobs: Tensor = fused_token_logprobs(
-                output.transpose(0, 1), weight, targets.t(), tp_group=pg_collection.tp,
-                sequence_parallel=captured["sequence_parallel"], temperature=logprob_temperature(),
-                head_dtype=torch.float32 if head.head_fp32 or output.dtype != weight.dtype else None).t()
-            return logprobs[:, :-1].to(weight.dtype).contiguous()
-        # The logits are dead after this call (the loop keeps only the logprobs), so their buffer
-        # takes the gradient: no second [b, s, v/tp] shard at b=1.
-        logprobs = token_logprobs(output, targets, tp_group=pg_collection.tp, temperature=logprob_temperature(),
-                                  inplace_backward=True)
-        return logprobs[:, :-1].to(output.dtype).contiguous()
+        # fused: output is the hidden states [b, s(/tp), h]; logits: their buffer takes the gradient
+        # (the loop keeps only the logprobs), so no second [b, s, v/tp] shard at b=1.
+        logprobs: Tensor = score_output(output, fused, targets, temperature=logprob_temperature(),
+                                        head_fp32=head.head_fp32, tp_group=pg_collection.tp)
+        return logprobs[:, :-1].to(output.dtype if fused is None else fused.weight.dtype).contiguous()
