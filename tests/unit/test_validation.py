@@ -221,7 +221,8 @@ def test_the_logprob_ops_refuse_meta_tensors_and_float_masks_naming_the_argument
     first = "vocab_parallel_logits" if op == "token_logprobs" else "hidden"
     cases = [(dict(device="meta"), f"{first} is on the meta device (shapes, no values)"),
              (dict(targets_device="meta"), "targets is on meta but"),
-             (dict(mask=torch.tensor([[1.0, math.nan]] * 3)), "mask: expected bool of shape (3, 2), found torch.float32")]
+             (dict(mask=torch.tensor([[1.0, math.nan]] * 3)),
+              "mask: expected bool of shape (3, 2), found torch.float32")]
     for kwargs, message in cases:
         with pytest.raises(ValueError) as info:
             call(**kwargs)
