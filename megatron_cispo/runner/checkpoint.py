@@ -115,8 +115,13 @@ def _sgd_init_state(opt, config=None) -> None:
 _SETTINGS = ("weight_decay", "betas", "eps", "momentum")
 
 
-def _settings(optimizer) -> list[dict]:
-    return [{k: g[k] for k in _SETTINGS if k in g} for g in optimizer.param_groups]
+def load_optimizer_state(optimizer, state: dict) -> None:
+    """optimizer.load_state_dict(state), keeping the optimizer's own settings (weight decay, betas,
+    eps, momentum): the state (moments, step counts) is the checkpoint's, the settings the config's."""
+    settings = [{k: g[k] for k in _SETTINGS if k in g} for g in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, kept in zip(optimizer.param_groups, settings):
+        group.update(kept)
 
 
 def _optimizer_count(optimizer) -> int:
@@ -283,10 +288,7 @@ def load(path: Path, *, chunks, optimizer, shared: dict) -> int:
         models = unwrap_model(list(chunks))
         for i, m in enumerate(models):
             m.load_state_dict(state["model" if len(models) == 1 else f"model{i}"])
-        settings = _settings(optimizer)
-        optimizer.load_state_dict(state["optimizer"])
-        for group, kept in zip(optimizer.param_groups, settings):
-            group.update(kept)
+        load_optimizer_state(optimizer, state["optimizer"])
     # CheckpointException (every rank's read errors, gathered) derives from BaseException, not Exception
     except (Exception, CheckpointException) as e:  # noqa: BLE001
         settings_file = f" (its settings: {path / files_.CONFIG})" if (path / files_.CONFIG).is_file() else ""
