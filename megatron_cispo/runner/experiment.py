@@ -180,7 +180,9 @@ class RunConfig:
         2, "Complete checkpoints kept (the highest steps); older ones are deleted, never the one just written.")
     resume: bool = config_field(
         False, "Continue from the newest intact checkpoint in run_dir/checkpoints (on any layout), falling back "
-        "past a corrupt one with a warning; with none, start fresh and move the earlier files aside.")
+        "past a corrupt one with a warning; with none, start fresh and move the earlier files aside. Settings "
+        "that differ from the checkpoint's apply with one warning, or are refused (model, optimizer.name, "
+        "run.seed): docs/reliability.md.")
     tensorboard: bool = config_field(True, "Write TensorBoard events to run_dir/tb when tensorboard is installed.")
     max_consecutive_skips: int = config_field(
         3, "Stop the run (exit code 3) after this many optimizer steps in a row were skipped because the "
