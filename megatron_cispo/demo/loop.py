@@ -176,15 +176,7 @@ def _open_log(t: _Trainer, start: int, last, moved_to) -> MetricsWriter:
     cfg, p, env = t.cfg, t.cfg.parallelism, t.env
     writer = MetricsWriter(cfg.run.run_dir, label=cfg.label, total_steps=cfg.run.steps,
                            log_interval=cfg.run.log_interval, start_step=start, tensorboard=cfg.run.tensorboard)
-    text = dump_yaml(cfg)
-    (writer.dir / "config.yaml").write_text(text)  # the config of this start; config_history/ keeps every start's
-    history = writer.dir / "config_history"
-    history.mkdir(exist_ok=True)
-    n = len(list(history.glob("start_*.yaml"))) + 1
-    while list(history.glob(f"start_{n:03d}_*")):
-        n += 1
-    with open(history / f"start_{n:03d}_at_step_{start:06d}.yaml", "x") as f:  # "x": never over an earlier one
-        f.write(text)
+    _record_config(writer.dir, dump_yaml(cfg), start)
     resumed = f", resumed from {last}" if last is not None else ""
     if moved_to is not None:
         resumed += f"; the earlier run in {cfg.run.run_dir} was moved to {moved_to}"
@@ -193,6 +185,17 @@ def _open_log(t: _Trainer, start: int, last, moved_to) -> MetricsWriter:
           f"{cfg.run.steps} steps, sampler lags {cfg.rollout.staleness} versions in "
           f"{cfg.rollout.precision}{resumed}", flush=True)
     return writer
+
+
+def _record_config(run_dir, text: str, start: int) -> None:
+    """run_dir/config.yaml is this start's config; config_history/start_<n>_at_step_<start>.yaml keeps
+    every start's, each written once ("x": never over an earlier one)."""
+    (run_dir / "config.yaml").write_text(text)
+    history = run_dir / "config_history"
+    history.mkdir(exist_ok=True)
+    n = 1 + max((int(p.name.split("_")[1]) for p in history.glob("start_*_at_step_*.yaml")), default=0)
+    with open(history / f"start_{n:03d}_at_step_{start:06d}.yaml", "x") as f:
+        f.write(text)
 
 
 def _train(t: _Trainer, start: int) -> None:
