@@ -6,15 +6,17 @@ one line instead of a traceback where the ranks or the rendezvous have already s
 - The rendezvous fails (a node did not come in time, the port is taken): one line, SCRIPT: WAITED_FOR
   and then torch's own message; exit 1.
 - The workers stop with one of train.py's REPORTED_EXIT_CODES (2 config error, 3 non-finite stop,
-  4 peer lost, 5 preempted, 6 checkpoint save failed), every worker that failed with the same one,
-  also when torchrun itself got the SIGTERM/SIGINT and forwarded it: rank 0 has printed the one
-  line, so torchrun's failure summary, traceback and log lines about it are left out, and this
-  exits with that code.
+  4 peer lost, 5 preempted, 6 checkpoint save failed): every failed worker with the same one, but
+  for those the agent stopped with SIGTERM after the first failure, or (when torchrun itself got
+  the SIGTERM/SIGINT and forwarded it) every worker with it. Rank 0 has printed the one line, so
+  torchrun's failure summary, traceback and log lines about it are left out, and this exits with
+  that code.
 - Anything else (a crash, a signal the workers did not handle, mixed codes): torchrun's own output
   and exit code 1.
 """
 import logging
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -64,18 +66,22 @@ closed_codes: dict[int, int | None] = {}
 _close = getattr(workers_api.SubprocessContext, "_close", None)
 if _close is not None:
     def _close_and_record(self, *args, **kwargs):
-        _close(self, *args, **kwargs)
-        closed_codes.update({rank: h.proc.poll() for rank, h in self.subprocess_handlers.items()})
+        try:
+            _close(self, *args, **kwargs)
+        finally:  # also when a second signal cuts the wait short: a worker still running records None
+            closed_codes.update({rank: h.proc.poll() for rank, h in self.subprocess_handlers.items()})
 
     workers_api.SubprocessContext._close = _close_and_record
 
 
-def reported(codes) -> int | None:
-    """The one exit code all `codes` share when it is one whose reason rank 0 printed, else None."""
+def reported(codes, *, stopped_by_agent=()) -> int | None:
+    """The exit code all workers in `codes` returned, when it is one whose reason rank 0 printed; workers
+    the agent stopped after the first failure (one still on its way out gets its SIGTERM: exit code
+    -15) are left out. Else None."""
     from megatron_cispo.train import REPORTED_EXIT_CODES  # only on failure: the launcher starts lean
 
-    codes = set(codes)
-    return codes.pop() if len(codes) == 1 and codes <= set(REPORTED_EXIT_CODES) else None
+    said = set(codes) - set(stopped_by_agent)
+    return said.pop() if len(said) == 1 and said <= set(REPORTED_EXIT_CODES) else None
 
 
 script, waited_for = sys.argv[1:3]
@@ -83,13 +89,13 @@ held = HeldLogs()
 try:
     main(sys.argv[3:])
 except ChildFailedError as e:
-    code = reported(failure.exitcode for failure in e.failures.values())
+    code = reported([f.exitcode for f in e.failures.values()], stopped_by_agent=(-signal.SIGTERM,))
     if code is None:
         held.release()
         raise
     sys.exit(code)
 except workers_api.SignalException:
-    code = reported(closed_codes.values()) if closed_codes else None
+    code = reported(closed_codes.values())  # torchrun forwarded the signal: every worker must have said why
     if code is None:
         held.release()
         raise
