@@ -220,7 +220,7 @@ def _on_rank0(fn, run_dir, step: int, failed: str | None = None) -> None:
         try:
             fn()
         except OSError as e:
-            box[0] = files_.describe_error(e) + (f" ({e.filename})" if e.filename else "")
+            box[0] = files_.describe_error(e)  # an OSError's message names its file when it has one
     if dist.get_rank() == 0 and box[0] is not None:
         tmp = files_.tmp_dir(run_dir, step)
         written = files_.tree_bytes(tmp)
