@@ -12,6 +12,7 @@ and divides the gradient once, leaving sum(weight * loss) / the global denominat
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from functools import partial
 from typing import Optional
@@ -41,13 +42,11 @@ def forward_step_for(loss_func, calls: Optional[list] = None, head: str = "logit
     by chunk, so an fp32 copy of the logits is never needed. head="fused": on the last stage the
     output layer is bypassed for this forward (head.forward_with_head); the model returns the
     hidden states and the microbatch given to loss_func carries the FusedHead. moe: a
-    step.moe.RouterStats to tell which microbatch the routers' records belong to."""
+    step.moe.RouterStats; the model runs inside its microbatch(n_seqs) (records, all-padding bins)."""
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
         if calls is not None:
             calls.append(1)
-        if moe is not None:
-            moe.start(mb.n_seqs)
         kwargs = {}
         if mb.packed_seq_params is not None:
             kwargs["packed_seq_params"] = mb.packed_seq_params
@@ -55,7 +54,8 @@ def forward_step_for(loss_func, calls: Optional[list] = None, head: str = "logit
             kwargs["padding_mask"] = mb.padding_mask
         if unwrap(model)[1]:
             kwargs["fp32_output"] = False
-        output, fused = forward_with_head(model, head, mb.input_ids, mb.position_ids, None, **kwargs)
+        with moe.microbatch(mb.n_seqs) if moe is not None else contextlib.nullcontext():
+            output, fused = forward_with_head(model, head, mb.input_ids, mb.position_ids, None, **kwargs)
         if fused is not None:
             mb = dataclasses.replace(mb, fused=fused)
         return output, partial(loss_func, mb)

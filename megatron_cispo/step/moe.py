@@ -80,7 +80,7 @@ class RouterStats:
 
         stats = RouterStats.of(chunks)       # None for a dense model
         with stats:                          # around the training schedules
-            run_schedule(...)                # forward_step calls stats.start(microbatch) first
+            run_schedule(...)                # forward_step runs the model in stats.microbatch(n_seqs)
         metrics.update(stats.reduce())       # every rank; collectives over TP x CP, PP and DP
 
     Per microbatch with rows and per layer it records the router's aux loss (the Switch
@@ -107,11 +107,24 @@ class RouterStats:
         routers = [m for c in chunks for m in c.modules() if isinstance(m, TopKRouter)]
         return cls(routers, config) if getattr(config, "num_moe_experts", None) and routers else None
 
-    def start(self, n_seqs: int) -> None:
-        """A microbatch of n_seqs sequences begins (an all-padding bin, n_seqs = 0, is not counted)."""
+    @contextlib.contextmanager
+    def microbatch(self, n_seqs: int) -> Iterator[None]:
+        """Around the forward of a microbatch of n_seqs sequences: the routers' records go to it. An
+        all-padding bin (n_seqs = 0: the filler that evens packed bin counts over DP, so that the
+        EP all-to-alls stay in step) is not counted, and runs with the aux-loss coefficient at 0:
+        megatron-core's Switch loss over no token is 0/0, and its NaN gradient would skip the
+        optimizer step on every rank. Having no token, the bin adds nothing to the loss either way."""
         self.live = n_seqs > 0
         if self.live:
             self.rows.append(torch.zeros(3, self.layers, dtype=torch.float64, device=self.device))
+            yield
+            return
+        saved = self.config.moe_aux_loss_coeff
+        self.config.moe_aux_loss_coeff = [0.0] * len(saved) if isinstance(saved, (list, tuple)) else 0.0
+        try:
+            yield
+        finally:
+            self.config.moe_aux_loss_coeff = saved
 
     def _record(self, name: str, loss: Tensor, layer_number, *args, **kwargs):
         if self.live and layer_number is not None and name in (AUX, Z):

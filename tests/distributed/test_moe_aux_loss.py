@@ -151,9 +151,12 @@ def router_metrics_by_hand(seen, weight) -> dict:
             "moe/expert_tokens_max": float(routed.max()), "moe/expert_tokens_min": float(routed.min())}
 
 
-# Per run: (TP x CP compensation on, packed); "padded" runs micro_batch_size 2 padded on a DP
-# shard, so that a dp=2 layout routes the same microbatches as one process.
-RUNS = {"compensated": (True, True), "uncompensated": (False, True), "padded": (True, False)}
+# Per run: (TP x CP compensation on, packed, micro_batch_size, on this rank's DP shard). "padded"
+# and "packed_windows" route the same microbatches at dp=2 as in one process; at dp=2
+# "packed_windows" packs rows 0-3 into 2 bins and rows 4-7 into 3, so rank 0 runs an all-padding
+# bin to keep the EP all-to-alls in step.
+RUNS = {"compensated": (True, True, 8, False), "uncompensated": (False, True, 8, False),
+        "padded": (True, False, 2, True), "packed_windows": (True, True, 4, True)}
 
 
 def layout_worker(layout: dict, runs=("compensated",), lr=1.0):
@@ -174,7 +177,7 @@ def layout_worker(layout: dict, runs=("compensated",), lr=1.0):
     fixed_in = moe.FIXED_IN
     out = {}
     for run in runs:
-        compensated, packed = RUNS[run]
+        compensated, packed, micro, shard = RUNS[run]
         moe.FIXED_IN = fixed_in if compensated else (0, 0)
         chunks, opt = _build(tp=tp, cp=cp, sp=sp, ep=ep, aux=AUX_COEFF, z=Z_COEFF, lr=lr)
         router = _router(chunks)
@@ -184,12 +187,12 @@ def layout_worker(layout: dict, runs=("compensated",), lr=1.0):
         initial = gather_full_state(chunks)
         batch = Rollouts(tokens=tokens, loss_mask=loss_mask, advantages=adv, lengths=lengths,
                          rollout_logprobs=noise * loss_mask)
-        step_cfg = StepConfig(micro_batch_size=len(LENGTHS), max_tokens_per_microbatch=BUDGET)
-        if not packed:
+        step_cfg = StepConfig(micro_batch_size=micro, max_tokens_per_microbatch=BUDGET if packed else None)
+        if shard:
             batch = batch.dp_shard(dp_rank=mpu.get_data_parallel_rank(), dp=mpu.get_data_parallel_world_size())
-            step_cfg = StepConfig(micro_batch_size=2)
         metrics = policy_step(chunks, opt, batch, from_dict(LossConfig, {"cispo": {"anchor": "rollout"}}), step_cfg)
         hook.remove()
+        seen = [(x, pad) for x, pad in seen if not pad.all()]  # an all-padding filler bin routes nothing
         out[run] = {"metrics": metrics, "initial": initial, "state": gather_full_state(chunks),
                     "gap": min(_logit_gap(x, pad, w0) for x, pad in seen),
                     "valid": [int((~pad).sum()) for _, pad in seen], "seen": [pad.numel() for _, pad in seen],
@@ -219,7 +222,7 @@ def _layout_results(name: str) -> list[dict]:
     """Per-rank results of a layout; tp2_sp also runs once without the compensation and once
     padded (its DP shard is the whole batch); dp2_ep2 runs padded only, on its DP shard."""
     if name not in _RUNS:
-        runs = {"tp2_sp": ("compensated", "uncompensated", "padded"), "dp2_ep2": ("padded",)}.get(
+        runs = {"tp2_sp": ("compensated", "uncompensated", "padded"), "dp2_ep2": ("padded", "packed_windows")}.get(
             name, ("compensated",))
         _RUNS[name] = spawn(layout_worker, 2, (LAYOUTS[name], runs))
     return _RUNS[name]
@@ -227,7 +230,7 @@ def _layout_results(name: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def references():
-    return spawn(layout_worker, 1, ({}, ("compensated", "padded")))[0]
+    return spawn(layout_worker, 1, ({}, ("compensated", "padded", "packed_windows")))[0]
 
 
 @pytest.fixture(scope="module")
@@ -288,3 +291,21 @@ def test_router_metrics_are_exact_over_dp_ep_tp_and_cp(references, name, run):
     if name == "dp2_ep2":  # the two ranks routed different rows: the DP reduction is not a copy
         mine = [r[run]["by_hand"]["moe/expert_tokens_max"] for r in _layout_results(name)]
         assert max(mine) < references[run]["metrics"]["moe/expert_tokens_max"]
+
+
+def test_an_all_padding_bin_at_dp2_ep2_trains_like_one_process(references):
+    """Packed at dp=2, rank 0 runs an empty filler bin; megatron-core's Switch loss over no token is
+    0/0, and its NaN gradient used to skip every such step (step/moe.py turns the aux loss off for
+    that forward: the bin has no token, so it adds nothing)."""
+    ref = references["packed_windows"]
+    assert ref["metrics"]["step/optimizer_steps"] == 1.0 and ref["metrics"]["step/microbatches"] == 5
+    for rank, r in enumerate(_layout_results("dp2_ep2")):
+        m = r["packed_windows"]["metrics"]
+        assert m["step/skipped_nonfinite"] == 0.0 and m["step/optimizer_steps"] == 1.0, f"rank {rank}: {m}"
+        assert m["step/microbatches"] == 3  # 2 or 3 real bins, evened over DP
+        for key, value in ref["metrics"].items():
+            if key not in ("step/forward_calls", "step/microbatches"):
+                assert m[key] == pytest.approx(value, rel=TOL, abs=TOL), f"rank {rank} {key}"
+        state = r["packed_windows"]["state"]
+        for k, v in ref["state"].items():
+            torch.testing.assert_close(state[k], v, rtol=0, atol=TOL, msg=k)
