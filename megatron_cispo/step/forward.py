@@ -12,7 +12,6 @@ and divides the gradient once, leaving sum(weight * loss) / the global denominat
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from functools import partial
 from typing import Optional
@@ -27,6 +26,7 @@ from ..vocab_softmax import resolve_group
 from .hooks import check_megatron_config
 from .head import forward_with_head, head_logprobs, unwrap
 from .microbatch import Microbatch
+from .moe import no_aux_loss_without_tokens
 from .packing import microbatches as build_microbatches
 from .packing import step_layout
 from .pipeline import broadcast_tensor_from_last_stage, is_last_stage
@@ -41,8 +41,9 @@ def forward_step_for(loss_func, calls: Optional[list] = None, head: str = "logit
     Float16Module for its output in the model's dtype (fp32_output=False): the heads upcast chunk
     by chunk, so an fp32 copy of the logits is never needed. head="fused": on the last stage the
     output layer is bypassed for this forward (head.forward_with_head); the model returns the
-    hidden states and the microbatch given to loss_func carries the FusedHead. moe: a
-    step.moe.RouterStats; the model runs inside its microbatch(n_seqs) (records, all-padding bins)."""
+    hidden states and the microbatch given to loss_func carries the FusedHead. An MoE model runs
+    an all-padding bin without its aux loss (step.moe.no_aux_loss_without_tokens). moe: a
+    step.moe.RouterStats, told which microbatch the routers' records belong to."""
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
         if calls is not None:
@@ -54,7 +55,9 @@ def forward_step_for(loss_func, calls: Optional[list] = None, head: str = "logit
             kwargs["padding_mask"] = mb.padding_mask
         if unwrap(model)[1]:
             kwargs["fp32_output"] = False
-        with moe.microbatch(mb.n_seqs) if moe is not None else contextlib.nullcontext():
+        if moe is not None:
+            moe.start(mb.n_seqs)
+        with no_aux_loss_without_tokens(getattr(unwrap(model)[0], "config", None), mb.n_seqs):
             output, fused = forward_with_head(model, head, mb.input_ids, mb.position_ids, None, **kwargs)
         if fused is not None:
             mb = dataclasses.replace(mb, fused=fused)

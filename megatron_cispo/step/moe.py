@@ -72,6 +72,24 @@ def moe_aux_loss_compensation(config, *, padding_mask: bool) -> Iterator[int]:
         config.moe_aux_loss_coeff, config.moe_z_loss_coeff = saved
 
 
+@contextlib.contextmanager
+def no_aux_loss_without_tokens(config, n_seqs: int) -> Iterator[None]:
+    """Around one microbatch's forward: an MoE model's all-padding bin (n_seqs = 0: the filler that
+    evens packed bin counts over DP, so that the EP all-to-alls stay in step) runs with the
+    aux-loss coefficient at 0. megatron-core's Switch loss over no token is 0/0, and its NaN
+    gradient would skip the optimizer step on every rank; having no token, the bin adds nothing
+    to the loss either way. Nothing changes for a dense model or a bin with rows."""
+    if n_seqs > 0 or getattr(config, "num_moe_experts", None) is None:
+        yield
+        return
+    saved = config.moe_aux_loss_coeff
+    config.moe_aux_loss_coeff = [0.0] * len(saved) if isinstance(saved, (list, tuple)) else 0.0
+    try:
+        yield
+    finally:
+        config.moe_aux_loss_coeff = saved
+
+
 AUX, Z = "load_balancing_loss", "z_loss"  # megatron-core's tracker names (router.py)
 
 
@@ -80,7 +98,7 @@ class RouterStats:
 
         stats = RouterStats.of(chunks)       # None for a dense model
         with stats:                          # around the training schedules
-            run_schedule(...)                # forward_step runs the model in stats.microbatch(n_seqs)
+            run_schedule(...)                # forward_step calls stats.start(n_seqs) first
         metrics.update(stats.reduce())       # every rank; collectives over TP x CP, PP and DP
 
     Per microbatch with rows and per layer it records the router's aux loss (the Switch
@@ -107,24 +125,11 @@ class RouterStats:
         routers = [m for c in chunks for m in c.modules() if isinstance(m, TopKRouter)]
         return cls(routers, config) if getattr(config, "num_moe_experts", None) and routers else None
 
-    @contextlib.contextmanager
-    def microbatch(self, n_seqs: int) -> Iterator[None]:
-        """Around the forward of a microbatch of n_seqs sequences: the routers' records go to it. An
-        all-padding bin (n_seqs = 0: the filler that evens packed bin counts over DP, so that the
-        EP all-to-alls stay in step) is not counted, and runs with the aux-loss coefficient at 0:
-        megatron-core's Switch loss over no token is 0/0, and its NaN gradient would skip the
-        optimizer step on every rank. Having no token, the bin adds nothing to the loss either way."""
+    def start(self, n_seqs: int) -> None:
+        """A microbatch of n_seqs sequences begins (an all-padding bin, n_seqs = 0, is not counted)."""
         self.live = n_seqs > 0
         if self.live:
             self.rows.append(torch.zeros(3, self.layers, dtype=torch.float64, device=self.device))
-            yield
-            return
-        saved = self.config.moe_aux_loss_coeff
-        self.config.moe_aux_loss_coeff = [0.0] * len(saved) if isinstance(saved, (list, tuple)) else 0.0
-        try:
-            yield
-        finally:
-            self.config.moe_aux_loss_coeff = saved
 
     def _record(self, name: str, loss: Tensor, layer_number, *args, **kwargs):
         if self.live and layer_number is not None and name in (AUX, Z):
