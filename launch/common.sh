@@ -78,20 +78,14 @@ else
 fi
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore}
 
-# preflight CONFIG WORLD_SIZE [overrides...]: config errors print once here, exit 2, no ranks started.
-preflight() {
-  local config=$1 world=$2
-  shift 2
-  "$PY" -m megatron_cispo.train --check --world-size "$world" "$config" "$@" > /dev/null
-}
-
-# run_torchrun WAITED_FOR TORCHRUN_ARGS...: exec torch.distributed.run through launch/run_torchrun.py.
-# When its rendezvous fails (a node did not come within the rendezvous timeout, or the port is
-# taken), the agent's traceback is replaced by one line: WAITED_FOR, then torch's own message; exit 1.
-# When the ranks stop with one of train.py's REPORTED_EXIT_CODES (2 config error, 3 non-finite, 4 peer
-# lost, 5 preempted, 6 save failed), rank 0's one line is all that is printed and the script exits with it.
+# run_torchrun WAITED_FOR WORLD_SIZE TORCHRUN_ARGS...: exec launch/run_torchrun.py. It first checks the
+# config and overrides that follow `-m megatron_cispo.train` as `train --check --world-size WORLD_SIZE`
+# does, in its own process (one Python start-up and torch import fewer than a separate check): a bad
+# one prints one line, exit 2, no rank started. Then it runs torch.distributed.run. When the
+# rendezvous fails (a node did not come within the rendezvous timeout, or the port is taken), the
+# agent's traceback is replaced by one line: WAITED_FOR, then torch's own message; exit 1. When the
+# ranks stop with one of train.py's REPORTED_EXIT_CODES (2 config error, 3 non-finite, 4 peer lost,
+# 5 preempted, 6 save failed, ...), rank 0's one line is all that is printed and the script exits with it.
 run_torchrun() {
-  local waited_for=$1
-  shift
-  exec "$PY" "$ROOT/launch/run_torchrun.py" "$LAUNCH_SCRIPT" "$waited_for" "$@"
+  exec "$PY" "$ROOT/launch/run_torchrun.py" "$LAUNCH_SCRIPT" "$@"
 }

@@ -18,7 +18,6 @@ if [ "$NGPU" -gt 0 ]; then GPUS_PER_NODE=${GPUS_PER_NODE:-$NGPU}; else GPUS_PER_
 if [ -n "${RDZV:-}" ]; then rank=(); else rank=(NODE_RANK); fi  # c10d assigns node ranks itself
 check_launch_env RDZV NNODES "${rank[@]}" MASTER_ADDR GPUS_PER_NODE MASTER_PORT RDZV_TIMEOUT
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}  # one node is its own rendezvous
-preflight "$CONFIG" "$((NNODES * GPUS_PER_NODE))" "$@"
 at="$MASTER_ADDR:$MASTER_PORT"
 if [ "${RDZV:-}" = c10d ]; then
   where=(--rdzv-backend c10d --rdzv-endpoint "$at" --rdzv-id "${RDZV_ID:-megatron_cispo}"
@@ -38,5 +37,5 @@ else
   fi
   waited+=", or raise RDZV_TIMEOUT if nodes start further apart"
 fi
-run_torchrun "$waited" --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" "${where[@]}" \
+run_torchrun "$waited" "$((NNODES * GPUS_PER_NODE))" --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" "${where[@]}" \
   -m megatron_cispo.train "$CONFIG" "$@"

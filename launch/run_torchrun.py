@@ -1,8 +1,11 @@
 """torch.distributed.run for the launch scripts (launch/common.sh run_torchrun): the same launcher, with
 one line instead of a traceback where the ranks or the rendezvous have already said what happened.
 
-    python launch/run_torchrun.py SCRIPT WAITED_FOR [torchrun arguments ...]
+    python launch/run_torchrun.py SCRIPT WAITED_FOR WORLD_SIZE [torchrun arguments ...]
 
+- First the config and overrides after `-m megatron_cispo.train` are checked as `train --check
+  --world-size WORLD_SIZE` checks them, here (a separate check would start Python and import torch
+  once more): a bad one is one line, exit 2, and no rank is started.
 - The rendezvous fails (a node did not come in time, the port is taken): one line, SCRIPT: WAITED_FOR
   and then torch's own message; exit 1.
 - The workers stop with one of train.py's REPORTED_EXIT_CODES (2 config error, 3 non-finite stop,
@@ -14,6 +17,8 @@ one line instead of a traceback where the ranks or the rendezvous have already s
 - Anything else (a crash, a signal the workers did not handle, mixed codes): torchrun's own output
   and exit code 1.
 """
+import contextlib
+import io
 import logging
 import os
 import signal
@@ -33,6 +38,7 @@ from torch.distributed.run import main  # noqa: E402
 if user_level is None:
     del os.environ["TORCH_CPP_LOG_LEVEL"]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # megatron_cispo, as the workers' -m finds it
+from megatron_cispo.train import REPORTED_EXIT_CODES, main as train  # noqa: E402
 
 # The agent's log lines about stopping workers, held until we know whether a rank said why already.
 HELD = {"torch.distributed.elastic.multiprocessing.api": ("failed (exitcode: ", "Sending process "),
@@ -78,16 +84,26 @@ def reported(codes, *, stopped_by_agent=()) -> int | None:
     """The exit code all workers in `codes` returned, when it is one whose reason rank 0 printed; workers
     the agent stopped after the first failure (one still on its way out gets its SIGTERM: exit code
     -15) are left out. Else None."""
-    from megatron_cispo.train import REPORTED_EXIT_CODES  # only on failure: the launcher starts lean
-
     said = set(codes) - set(stopped_by_agent)
     return said.pop() if len(said) == 1 and said <= set(REPORTED_EXIT_CODES) else None
 
 
-script, waited_for = sys.argv[1:3]
+def check_config(world: str, torchrun_args: list[str]) -> int:
+    """train.py's --check of what the workers will get: 0, or its exit code after it printed one line."""
+    if "megatron_cispo.train" not in torchrun_args:
+        return 0
+    config_and_overrides = torchrun_args[torchrun_args.index("megatron_cispo.train") + 1:]
+    with contextlib.redirect_stdout(io.StringIO()):  # the resolved config it prints
+        return train(["--check", "--world-size", world, *config_and_overrides])
+
+
+script, waited_for, world = sys.argv[1:4]
+torchrun_args = sys.argv[4:]
+if code := check_config(world, torchrun_args):
+    sys.exit(code)
 held = HeldLogs()
 try:
-    main(sys.argv[3:])
+    main(torchrun_args)
 except ChildFailedError as e:
     code = reported([f.exitcode for f in e.failures.values()], stopped_by_agent=(-signal.SIGTERM,))
     if code is None:

@@ -9,7 +9,6 @@ shift
 if [ "$NGPU" -gt 0 ]; then NPROC=${NPROC:-$NGPU}; else NPROC=${NPROC:-4}; fi
 MASTER_PORT=${MASTER_PORT:-29500}
 check_launch_env NPROC MASTER_PORT
-preflight "$CONFIG" "$NPROC" "$@"
-run_torchrun "the single-node rendezvous at 127.0.0.1:$MASTER_PORT did not complete" \
+run_torchrun "the single-node rendezvous at 127.0.0.1:$MASTER_PORT did not complete" "$NPROC" \
   --nnodes 1 --nproc-per-node "$NPROC" --master-addr 127.0.0.1 --master-port "$MASTER_PORT" \
   -m megatron_cispo.train "$CONFIG" "$@"

@@ -2,7 +2,7 @@
 node whose peers never come fails after the rendezvous timeout instead of hanging.
 
 The validation cases run the scripts with PY pointing at a stub that records its calls, so they
-take milliseconds and prove that neither the config check nor torchrun was started.
+take milliseconds and prove that neither the config check nor torchrun (one process) was started.
 """
 import os
 import re
@@ -87,9 +87,11 @@ def test_valid_settings_reach_torchrun_with_the_rendezvous_timeout(stubs):
     stub_env, calls = stubs
     proc, _ = _launch("multi_node.sh", stub_env, NNODES="2", NODE_RANK="1", MASTER_ADDR="10.0.0.1", GPUS_PER_NODE="08")
     assert proc.returncode == 0, proc.stderr
-    check, torchrun = calls.read_text().splitlines()
-    assert "--check --world-size 16" in check  # "08" is read as eight, not as bad octal
-    assert ("--nnodes 2 --nproc-per-node 8 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 "
+    (torchrun,) = calls.read_text().splitlines()  # one process: it checks the config, then runs torchrun
+    assert ("launch/run_torchrun.py multi_node.sh node 1 waited for node 0 at 10.0.0.1:29500" in torchrun and
+            "NNODES=2" in torchrun)
+    # world 16 to check the config for: "08" is read as eight, not as bad octal
+    assert (" 16 --nnodes 2 --nproc-per-node 8 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 "
             "--rdzv-conf timeout=600 -m megatron_cispo.train") in torchrun
     calls.unlink()
     proc, _ = _launch("multi_node.sh", stub_env, NNODES="2", RDZV="c10d", NODE_RANK="7", MASTER_ADDR="10.0.0.1",
