@@ -117,7 +117,10 @@ def test_packed_layout_matches_single_process_padded(reference, layout):
     _assert_matches(reference, spawn(worker, world, (layout, True)), CASES)
 
 
-@pytest.mark.parametrize("layout", [{"ep": 2, "dp": 2}, {"tp": 2, "sp": True}], ids=["moe_ep2", "moe_tp2_sp"])
+@pytest.mark.parametrize("layout", [{"ep": 2, "dp": 2}, {"tp": 2, "sp": True}, {"pp": 2}],
+                         ids=["moe_ep2", "moe_tp2_sp", "moe_pp2"])
 def test_packed_moe_layout_matches_single_process_padded(moe_reference, layout):
-    world = layout.get("tp", 1) * layout.get("dp", 1)
+    """Metrics include moe/expert_tokens_max and _min (one MoE layer per stage under pp2)."""
+    world = layout.get("tp", 1) * layout.get("dp", 1) * layout.get("pp", 1)
+    assert {"moe/expert_tokens_max", "moe/expert_tokens_min"} <= set(moe_reference[MOE_CASES[0]]["metrics"])
     _assert_matches(moe_reference, spawn(worker, world, (layout, True, MOE_CASES, True)), MOE_CASES)
