@@ -77,7 +77,7 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
     (log rho)^2 over the valid / kept tokens) and "correction/m2po_kept_m2_max", exact over the
     global batch; the loss reports "correction/m2po_masked_frac". An MoE model adds
     "moe/aux_loss" and "moe/z_loss" (when the router computes them) and "moe/expert_tokens_max" /
-    "_min", exact over DP, EP, TP and CP (step.moe.RouterStats.reduce defines them).
+    "_min", exact over DP, EP, TP, CP and PP (step.moe.RouterStats.reduce defines them).
     row_ids: [n] int, each local row's global sequence index, unique over DP and the same in every
     layout (M2PO's tie-break); default: the Rollouts.dp_shard layout, with as many minibatches as
     minibatch_size makes.
