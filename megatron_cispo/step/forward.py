@@ -25,7 +25,7 @@ from ..losses import compute_policy_loss, per_token_policy_loss
 from ..vocab_softmax import resolve_group
 from .hooks import check_megatron_config
 from .head import forward_with_head, head_logprobs, unwrap
-from .microbatch import Microbatch
+from .microbatch import Microbatch, as_microbatch
 from .moe import no_aux_loss_without_tokens
 from .packing import microbatches as build_microbatches
 from .packing import step_layout
@@ -45,7 +45,7 @@ def forward_step_for(loss_func, calls: Optional[list] = None, head: str = "logit
     an all-padding bin without its aux loss (step.moe.no_aux_loss_without_tokens). moe: a
     step.moe.RouterStats, told which microbatch the routers' records belong to."""
     def forward_step(data_iterator, model):
-        mb = next(data_iterator)
+        mb = as_microbatch(next(data_iterator))
         if calls is not None:
             calls.append(1)
         kwargs = {}
@@ -87,7 +87,7 @@ def make_loss_func(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_size
                    old_from_current: bool = False, entropy: bool = True, cp_group=None):
     """loss_func(microbatch, logits) -> (loss_sum, num_tokens int, Metrics), megatron's 3-tuple.
 
-    microbatch: a step.microbatch.Microbatch (targets, loss_mask, advantages [b, s] or a packed
+    microbatch: a step.microbatch.Microbatch, or a dict of its fields (targets, loss_mask, advantages [b, s] or a packed
     [1, T]; optional old/rollout/ref_logprobs and token_keep, M2PO's selection: False = no loss,
     still in the denominator; seq_index, n_seqs). logits: [b, s, v/tp] as GPTModel returns them.
     With agg_weight, agg_share, loss_scale and num_tokens (what policy_step adds) the loss is
@@ -102,6 +102,7 @@ def make_loss_func(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_size
     want_entropy = entropy or loss_cfg.entropy_coef != 0
 
     def loss_func(mb: Microbatch, output: Tensor):
+        mb = as_microbatch(mb)
         out = head_logprobs(mb, output, temperature=temperature, vocab_size=vocab_size, entropy=want_entropy,
                             head_fp32=loss_cfg.head_fp32)
         lp, ent = out if want_entropy else (out, None)

@@ -9,7 +9,8 @@ packed_seq_params and padding_mask when set) and fills in `fused` under the fuse
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 from torch import Tensor
@@ -48,3 +49,20 @@ class Microbatch:
     agg_share: Optional[Tensor] = config_field(None, "[b, s] fp32: each token's share of the global denominator")
     loss_scale: Optional[float] = config_field(None, "N / D: model tokens over the loss's global denominator")
     fused: Optional[FusedHead] = config_field(None, "the output layer's weight, under the fused head")
+
+
+def as_microbatch(mb) -> Microbatch:
+    """`mb` itself, or a Microbatch built from a dict with the same keys: until 0.1 the
+    microbatch was a dict, and in-house loops that build their own keep working. An unknown
+    key is refused, naming it and the known ones."""
+    if isinstance(mb, Microbatch):
+        return mb
+    if not isinstance(mb, Mapping):
+        raise TypeError(f"a microbatch must be a megatron_cispo.step.Microbatch (or a dict of its fields), "
+                        f"got {type(mb).__name__}")
+    known = {f.name for f in fields(Microbatch)}
+    unknown = sorted(set(mb) - known)
+    if unknown:
+        raise ValueError(f"microbatch dict: unknown key(s) {unknown}; a Microbatch has {sorted(known)}")
+    return Microbatch(**mb)
+

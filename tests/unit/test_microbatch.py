@@ -1,0 +1,37 @@
+"""make_loss_func / make_forward_step take a step.Microbatch, and (as before 0.1) a dict of its fields."""
+import pytest
+import torch
+
+from megatron_cispo.config import CispoConfig, LossConfig
+from megatron_cispo.step import Microbatch, make_loss_func
+from megatron_cispo.step.microbatch import as_microbatch
+
+
+def _fields(b=2, s=5, v=7):
+    g = torch.Generator().manual_seed(0)
+    return dict(targets=torch.randint(0, v, (b, s), generator=g), loss_mask=torch.ones(b, s),
+                advantages=torch.randn(b, s, generator=g), rollout_logprobs=-torch.rand(b, s, generator=g) - 1,
+                seq_index=torch.arange(b)[:, None].expand(b, s), n_seqs=b), torch.randn(b, s, v, generator=g)
+
+
+def test_a_dict_microbatch_gives_the_same_loss_and_gradient_as_a_microbatch():
+    loss_func = make_loss_func(LossConfig(cispo=CispoConfig(anchor="rollout")))
+    fields, logits = _fields()
+    results = []
+    for mb in (Microbatch(**fields), dict(fields)):
+        x = logits.clone().requires_grad_()
+        loss, tokens, _ = loss_func(mb, x)
+        loss.backward()
+        results.append((loss.detach(), int(tokens), x.grad))
+    (l1, n1, g1), (l2, n2, g2) = results
+    assert n1 == n2 == 10 and l1.item() != 0
+    torch.testing.assert_close(l1, l2, rtol=0, atol=0)
+    torch.testing.assert_close(g1, g2, rtol=0, atol=0)
+
+
+def test_a_dict_with_an_unknown_key_or_another_type_is_refused_naming_it():
+    fields, _ = _fields()
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['mask'\]"):
+        as_microbatch({**fields, "mask": fields["loss_mask"]})
+    with pytest.raises(TypeError, match="must be a megatron_cispo.step.Microbatch"):
+        as_microbatch([1, 2])
