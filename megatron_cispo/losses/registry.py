@@ -116,7 +116,8 @@ def check_loss_config(cfg: LossConfig) -> PolicyLoss:
     """Every rule that needs the registry, so it also covers plugin losses: the loss exists, its
     anchor is valid, and a loss anchored on pi_rollout is not stacked with a rho-correction (TIS,
     correction.m2po): the anchor already divides by pi_rollout and they would divide by it again.
-    (MIS, Geo-RS and OPSM act on r = pi_theta / pi_rollout there.) Raises ValueError; returns the loss.
+    (MIS and Geo-RS act on r = pi_theta / pi_rollout there; OPSM tests mean log(pi_ref / pi_theta)
+    with pi_ref = correction.opsm_ref under either anchor.) Raises ValueError; returns the loss.
 
     Cheap to call per microbatch: after the registry lookup, the rules run once per (config,
     loss) pair and are cached (both are frozen and hashable). A failed check is not cached.
