@@ -172,7 +172,9 @@ class RolloutConfig:
 class RunConfig:
     steps: int = config_field(60, "Optimizer steps (one per rollout batch: the fully-async regime).")
     seed: int = config_field(1234, "Seeds the model init, prompts and sampling (keyed by global sample index).")
-    run_dir: str = config_field("runs/demo", "Output directory: metrics.jsonl, metrics.png, checkpoints/.")
+    run_dir: str = config_field(
+        "runs/experiment", "Output directory: metrics.jsonl, metrics.png, checkpoints/. A YAML file that sets no "
+        "run_dir (here or in its defaults:) writes to runs/<its file name without .yaml>.")
     name: str = config_field("", "Label in logs and plots; empty = '<loss>:<anchor>'.")
     log_interval: int = config_field(5, "Steps between progress lines.")
     checkpoint_interval: int = config_field(0, "Steps between checkpoints; 0 = never.")
@@ -302,7 +304,11 @@ def interpolate_env(value: Any, path: str = "", env: Mapping[str, str] = os.envi
 def load_experiment(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (),
                     env: Mapping[str, str] = os.environ) -> ExperimentConfig:
     """File (with defaults) -> overrides -> ${ENV} -> validated ExperimentConfig; raises ConfigError."""
-    data = apply_overrides(read_tree(path), list(overrides), schema=ExperimentConfig)
+    data = read_tree(path)
+    if isinstance(data.get("run", {}), dict) and "run_dir" not in data.get("run", {}):
+        # its own folder per experiment file, so two examples never collide in one default
+        data = {**data, "run": {**data.get("run", {}), "run_dir": f"runs/{Path(path).stem}"}}
+    data = apply_overrides(data, list(overrides), schema=ExperimentConfig)
     return from_dict(ExperimentConfig, interpolate_env(data, env=env))
 
 

@@ -174,3 +174,18 @@ def test_report_labels_a_run_from_its_saved_config_like_the_run_does(tmp_path):
     (tmp_path / "config.yaml").write_text(dump_yaml(cfg))
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.5}\n')
     assert summarize(tmp_path)["label"] == cfg.label == "ppo:old"
+
+
+def test_a_yaml_without_run_dir_writes_to_runs_named_after_the_file(tmp_path):
+    from megatron_cispo.runner.experiment import load_experiment
+
+    (tmp_path / "base.yaml").write_text("run:\n  steps: 3\n")
+    (tmp_path / "my_exp.yaml").write_text("defaults: base.yaml\nloss:\n  policy_loss: cispo\n")
+    assert load_experiment(tmp_path / "my_exp.yaml").run.run_dir == "runs/my_exp"
+    assert load_experiment(tmp_path / "base.yaml").run.run_dir == "runs/base"
+    # set in the file, in its defaults, or by an override: that one wins
+    (tmp_path / "set.yaml").write_text("defaults: base.yaml\nrun:\n  run_dir: out/here\n")
+    assert load_experiment(tmp_path / "set.yaml").run.run_dir == "out/here"
+    (tmp_path / "child.yaml").write_text("defaults: set.yaml\n")
+    assert load_experiment(tmp_path / "child.yaml").run.run_dir == "out/here"
+    assert load_experiment(tmp_path / "my_exp.yaml", ["run.run_dir=x/y"]).run.run_dir == "x/y"
