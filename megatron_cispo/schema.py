@@ -191,8 +191,10 @@ def parse_override_value(text: str, path: str = "") -> Any:
         raise ConfigError(f"{path or '<value>'}: {text!r} is not a valid YAML value ({problem}); "
                           f"to pass it as a string, quote it: {quoted!r}") from None
     if _has_comment(text):  # ` #...` starts a YAML comment, which safe_load dropped
-        if value is None or isinstance(value, str):
-            return text.strip()  # a path or name such as `runs/exp #1`: the whole text, never a prefix of it
+        node = yaml.compose(text)  # None: the whole text is a comment, such as the name `#2`
+        plain = node is None or isinstance(value, str) and isinstance(node, yaml.ScalarNode) and node.style is None
+        if plain:
+            return text.strip()  # a plain path or name such as `runs/exp #1`: the whole text, never a prefix of it
         raise ConfigError(f"{path or '<value>'}: {text!r} holds ' #', which YAML reads as the start of a comment, "
                           f"leaving {value!r}; remove the comment, or quote the value to pass it as a string")
     if isinstance(value, str) and _SCI_FLOAT.match(value):

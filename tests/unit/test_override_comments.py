@@ -16,7 +16,8 @@ def test_a_run_dir_with_a_hash_keeps_its_whole_text():
     assert parse_override_value("a#b") == "a#b" and parse_override_value("'a #b'") == "a #b"
 
 
-@pytest.mark.parametrize("override", ["run.steps=5 # five", "rollout.top_p=0.5 #x", "loss.cispo.anchor=[old] #"])
+@pytest.mark.parametrize("override", ["run.steps=5 # five", "rollout.top_p=0.5 #x", "loss.cispo.anchor=[old] #",
+                                      "run.run_dir='runs/a' #1", "run.name=~ # x", 'run.name="b" #c'])
 def test_a_comment_after_any_other_value_is_refused_in_one_line(override):
     with pytest.raises(ConfigError) as e:
         load_experiment(DEMO, [override])

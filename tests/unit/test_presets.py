@@ -416,6 +416,8 @@ def test_the_old_import_path_losses_presets_still_gives_from_framework():
     from megatron_cispo.losses import presets as old
     from megatron_cispo import presets
     assert old.from_framework is presets.from_framework and old.PRESETS is presets.PRESETS
+    for name in ("SkyRL", "MsSwift", "TRL", "Verl", "NemoRL", "Slime"):  # the classes it held before the move
+        assert getattr(old, name) is getattr(presets, name)
 
 
 def test_mapping_doc_names_every_preset_in_its_clip_convention_table():
