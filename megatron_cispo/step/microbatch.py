@@ -9,6 +9,7 @@ packed_seq_params and padding_mask when set) and fills in `fused` under the fuse
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Optional
@@ -53,16 +54,22 @@ class Microbatch:
 
 def as_microbatch(mb) -> Microbatch:
     """`mb` itself, or a Microbatch built from a dict with the same keys: until 0.1 the
-    microbatch was a dict, and in-house loops that build their own keep working. An unknown
-    key is refused, naming it and the known ones."""
+    microbatch was a dict, and in-house loops that build their own keep working. Keys that are
+    not fields (a loop's own, such as attention_mask) are left out as before, with one warning
+    per set of keys naming them, so that a misspelt field does not go unnoticed."""
     if isinstance(mb, Microbatch):
         return mb
     if not isinstance(mb, Mapping):
         raise TypeError(f"a microbatch must be a megatron_cispo.step.Microbatch (or a dict of its fields), "
                         f"got {type(mb).__name__}")
     known = {f.name for f in fields(Microbatch)}
-    unknown = sorted(set(mb) - known)
-    if unknown:
-        raise ValueError(f"microbatch dict: unknown key(s) {unknown}; a Microbatch has {sorted(known)}")
-    return Microbatch(**mb)
+    unknown = tuple(sorted(set(mb) - known))
+    if unknown and unknown not in _WARNED:
+        _WARNED.add(unknown)
+        warnings.warn(f"microbatch dict: key(s) {list(unknown)} are not Microbatch fields and are not used; "
+                      f"the fields are {sorted(known)}", stacklevel=3)
+    return Microbatch(**{k: v for k, v in mb.items() if k in known})
+
+
+_WARNED: set = set()  # the unknown-key sets already warned about in this process
 

@@ -1,4 +1,6 @@
 """make_loss_func / make_forward_step take a step.Microbatch, and (as before 0.1) a dict of its fields."""
+import warnings
+
 import pytest
 import torch
 
@@ -29,9 +31,13 @@ def test_a_dict_microbatch_gives_the_same_loss_and_gradient_as_a_microbatch():
     torch.testing.assert_close(g1, g2, rtol=0, atol=0)
 
 
-def test_a_dict_with_an_unknown_key_or_another_type_is_refused_naming_it():
+def test_a_dicts_own_keys_are_left_out_with_one_warning_and_another_type_is_refused():
     fields, _ = _fields()
-    with pytest.raises(ValueError, match=r"unknown key\(s\) \['mask'\]"):
-        as_microbatch({**fields, "mask": fields["loss_mask"]})
+    with pytest.warns(UserWarning, match=r"\['attention_mask', 'old_logprob'\] are not Microbatch fields"):
+        mb = as_microbatch({**fields, "old_logprob": fields["advantages"], "attention_mask": None})
+    assert mb.old_logprobs is None and mb.targets is fields["targets"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same keys again: no second warning
+        as_microbatch({**fields, "old_logprob": fields["advantages"], "attention_mask": None})
     with pytest.raises(TypeError, match="must be a megatron_cispo.step.Microbatch"):
         as_microbatch([1, 2])
