@@ -179,10 +179,14 @@ def plot_runs(run_dirs: list[str | Path], out_png: str | Path) -> Path | None:
 
 
 def default_png(run_dirs: list[str | Path]) -> Path:
-    """One run: its own folder's metrics.png; several: comparison.png in their common parent folder."""
+    """One run: its own folder's metrics.png; several: comparison.png in their common parent folder,
+    or in the first run's folder when that parent is the filesystem root or not writable."""
     if len(run_dirs) == 1:
         return Path(run_dirs[0]) / "metrics.png"
-    return Path(os.path.commonpath([os.path.abspath(d) for d in run_dirs])) / "comparison.png"
+    parent = Path(os.path.commonpath([os.path.abspath(d) for d in run_dirs]))
+    if parent == Path(parent.anchor) or not os.access(parent, os.W_OK):  # unrelated runs: keep it with them
+        parent = Path(run_dirs[0])
+    return parent / "comparison.png"
 
 
 def main(argv: list[str] | None = None) -> int:

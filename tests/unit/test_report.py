@@ -92,3 +92,11 @@ def test_figure_legend_names_the_clamp_lines_and_the_zero_floor_curve(tmp_path):
     assert {"clamp cap 5", "clamp floor 0.8"} <= set(_legend(ratio08))
     dashed = [line for line in ratio08.get_lines() if line.get_linestyle() == "--"]
     assert sorted(line.get_ydata()[0] for line in dashed) == [0.8, 5.0]
+
+
+def test_the_comparison_of_unrelated_runs_goes_into_the_first_runs_folder_not_the_root(tmp_path):
+    from megatron_cispo.demo.report import default_png
+
+    (tmp_path / "a" / "x").mkdir(parents=True)
+    assert default_png([tmp_path / "a" / "x", tmp_path / "a" / "y"]) == tmp_path / "a" / "comparison.png"
+    assert default_png([tmp_path / "x", "/"]) == tmp_path / "x" / "comparison.png"
