@@ -17,6 +17,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -90,7 +91,8 @@ def run(cfg: ExperimentConfig) -> None:
                           "CUDA tensors); use fp32 on CPU. rollout.precision=bf16 still gives a bf16 sampler")
     from ..runner import distributed
 
-    preempt.install()  # from here a signal stops the run after a step, with a checkpoint
+    # from here a signal stops the run after a step, with a checkpoint; after SIGHUP the console is run_dir/console.log
+    preempt.install(console_log=Path(cfg.run.run_dir) / "console.log")
     try:
         env = _init_distributed(cfg)
     except BaseException:
@@ -255,7 +257,10 @@ def _stop(t: _Trainer, error: Exception) -> None:
     """Collective: rank 0 closes the log and prints `error`'s one line; then every rank raises it."""
     if t.writer is not None:
         t.writer.close()
-        print(str(error), file=sys.stderr, flush=True)
+        try:
+            print(str(error), file=sys.stderr, flush=True)
+        except OSError:  # the terminal went away (EIO) before SIGHUP moved fd 2: stop all the same
+            pass
     if isinstance(error, NonFiniteStop):
         dist.barrier()  # the other ranks exit only after rank 0 has said why
     raise error

@@ -155,7 +155,10 @@ class MetricsWriter:
                      f"ratio [{record.get('ratio_min', nan):.3f}, {record.get('ratio_max', nan):.3f}]",
                      *active_parts(record), f"lag {record['policy_version_lag']}", f"{per_step:.2f} s/step",
                      f"ETA {_duration(per_step * (self.total - step))}"]
-            print(" | ".join(parts), file=self.stream, flush=True)
+            try:
+                print(" | ".join(parts), file=self.stream, flush=True)
+            except OSError:  # the terminal went away (EIO): a lost progress line must not stop the run
+                pass
 
     def _check_drops(self, record: dict) -> None:
         """Warn once (stderr) when the corrections drop >= DROP_ALL_FRAC of the trained tokens on

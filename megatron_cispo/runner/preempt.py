@@ -1,7 +1,7 @@
 """Stopping on a signal: on SIGTERM (preemption), SIGINT (Ctrl-C) or SIGHUP (the terminal went away)
 the runner finishes the current step, writes a checkpoint and stops; a second SIGINT stops at once.
 
-    preempt.install()                          # at start; the handler sets a flag, rank 0 says so in one line
+    preempt.install(console_log=run_dir / "console.log")  # at start; the handler sets a flag, rank 0 says so
     signum = preempt.agreed(env.device)        # after each step, on every rank: MAX of the signal numbers
     if signum: ... save a checkpoint, then raise Preempted(stop_message(label, step, path, signum))
     preempt.uninstall()                        # in the loop's finally
@@ -13,6 +13,11 @@ they stop when any rank has seen one. A second Ctrl-C ends the process at once w
 without a checkpoint (the last one written stays): a second SIGINT, or after a SIGINT the SIGTERM
 torchrun sends when it is interrupted again. Under torchrun a worker also gets SIGINT when torchrun
 itself exits (PR_SET_PDEATHSIG), so no worker lives on without its launcher.
+
+A signal whose disposition is SIG_IGN when install() runs stays ignored: `nohup` sets SIGHUP so,
+and such a run keeps going after logout. On SIGHUP the terminal is gone and writing to it fails
+(EIO), so the handler points file descriptors 1 and 2 at `console_log` (appended; /dev/null when it
+cannot be opened) before it says anything: the rest of the run's console output is kept there.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ _PR_SET_PDEATHSIG = 1
 
 _received = 0  # the first signal's number, 0 before any
 _previous: dict = {}
+_console_log: str | None = None  # where fds 1 and 2 go after SIGHUP
 
 
 class Preempted(RuntimeError):
@@ -41,11 +47,31 @@ def _say(line: str) -> None:
     """One line on stderr from rank 0 (torchrun's RANK; a single process is rank 0). A signal handler
     may run inside a print, so this is one write(2), which Python's I/O locks do not guard."""
     if os.environ.get("RANK", "0") == "0":
-        os.write(2, (line + "\n").encode())
+        try:
+            os.write(2, (line + "\n").encode())
+        except OSError:  # a console that is gone must not stop the run: the line is lost, the run is not
+            pass
+
+
+def _keep_console() -> None:
+    """After SIGHUP: fds 1 and 2 to the console log (or /dev/null), so no later write fails with EIO."""
+    for target in (_console_log, os.devnull):
+        if target is None:
+            continue
+        try:
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError:
+            continue
+        for std in (1, 2):
+            os.dup2(fd, std)
+        os.close(fd)
+        return
 
 
 def _handler(signum, frame) -> None:
     global _received
+    if signum == signal.SIGHUP:
+        _keep_console()
     if not _received:
         _received = signum
         _say(f"{signal.Signals(signum).name}: finishing this step, then writing a checkpoint "
@@ -69,14 +95,17 @@ def _die_with_parent() -> None:
         pass
 
 
-def install() -> None:
+def install(console_log: str | os.PathLike | None = None) -> None:
     """Catch SIGTERM, SIGINT and SIGHUP (main thread only; elsewhere signals cannot be caught and
-    nothing changes)."""
-    global _received
+    nothing changes), except one that is ignored (SIG_IGN, as `nohup` sets SIGHUP). After SIGHUP the
+    console output goes to `console_log` (appended), else to /dev/null."""
+    global _received, _console_log
     _received = 0
+    _console_log = None if console_log is None else os.fspath(console_log)
     if threading.current_thread() is threading.main_thread():
         for sig in SIGNALS:
-            _previous[sig] = signal.signal(sig, _handler)
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                _previous[sig] = signal.signal(sig, _handler)
         _die_with_parent()
 
 
