@@ -14,6 +14,7 @@ gloo). A resume checks the checkpoint's config against this one (runner/resume_c
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -189,13 +190,18 @@ def _open_log(t: _Trainer, start: int, last, moved_to) -> MetricsWriter:
     return writer
 
 
+_HISTORY_NAME = re.compile(r"start_(\d+)_at_step_\d+\.yaml")
+
+
 def _record_config(run_dir, text: str, start: int) -> None:
     """run_dir/config.yaml is this start's config; config_history/start_<n>_at_step_<start>.yaml keeps
     every start's, each written once ("x": never over an earlier one)."""
     (run_dir / "config.yaml").write_text(text)
     history = run_dir / "config_history"
     history.mkdir(exist_ok=True)
-    n = 1 + max((int(p.name.split("_")[1]) for p in history.glob("start_*_at_step_*.yaml")), default=0)
+    # a name this code did not write (start_x_..., a copy) does not count: it must not stop the run
+    starts = (_HISTORY_NAME.fullmatch(p.name) for p in history.iterdir())
+    n = 1 + max((int(m[1]) for m in starts if m), default=0)
     with open(history / f"start_{n:03d}_at_step_{start:06d}.yaml", "x") as f:
         f.write(text)
 
