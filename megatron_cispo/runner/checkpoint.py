@@ -10,7 +10,8 @@ state dicts and every rank's RNG states in dist_checkpointing's torch_dist forma
 with state_dict()/load_state_dict() that are the same on every rank, like the demo's sampler), the
 experiment's config.yaml when save() is given it, and a COMPLETE marker (JSON: step, layout, shared
 names). The optimizer's state (moments, steps) is loaded; its settings stay those it was built with. It is written under .step_<step>.tmp/, every file
-and the directory fsynced, COMPLETE last, then renamed into place; files_ (checkpoint_files.py) names,
+and the directory fsynced, COMPLETE last, then renamed into place (checkpoint_save.py: a failure on any
+rank stops every rank alike); files_ (checkpoint_files.py) names,
 verifies and prunes them. Tensors are resharded on load, so the model and optimizer resume on any
 layout; RNG states are restored only on the layout that saved them (as Megatron-LM does). A
 multi-node job needs run_dir on a filesystem every node shares: rank 0 verifies and decides for all.
@@ -18,7 +19,6 @@ multi-node job needs run_dir on a filesystem every node shares: rank 0 verifies 
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -28,6 +28,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..config import ConfigError
 from . import checkpoint_files as files_
+from . import checkpoint_save
+from .checkpoint_save import SaveFailed  # noqa: F401 - raised by save(), caught as checkpoint.SaveFailed
 
 step_dir = files_.step_dir
 
@@ -139,99 +141,17 @@ def _check_optimizer_count(path: Path, info: dict, optimizer) -> None:
                           f"optimizer only when ep > 1; resume with ep {'> 1' if saved > now else '= 1'}")
 
 
-def _sync_save_strategy():
-    """dist_checkpointing's torch_dist format, written in this process by torch.distributed.checkpoint's
-    FileSystemWriter (fsyncs each file). megatron-core 0.16.1's default writer forks writer processes,
-    needs psutil, and waits forever when one of them fails; its output is the same format."""
-    from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
-    from megatron.core.dist_checkpointing.strategies.torch import (
-        MCoreSavePlanner, _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
-    from torch.distributed import checkpoint as dcp
-
-    class SyncTorchDistSave(SaveShardedStrategy):
-        def can_handle_sharded_objects(self):
-            return True
-
-        def save(self, sharded_state_dict, checkpoint_dir):
-            # the same translation as megatron's TorchDistSaveShardedStrategy.async_save
-            flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, keep_only_main_replica=True)
-            dcp.save(mcore_to_pyt_state_dict(flat, False),
-                     storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), sync_files=True),
-                     planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False))
-
-    return SyncTorchDistSave("torch_dist", 1)
-
-
-class SaveFailed(RuntimeError):
-    """A checkpoint could not be written (a full disk, a quota, a lost mount): raised alike on every
-    rank, its one line names the file, the error and the free space; the temporary directory is
-    removed and the earlier checkpoints are untouched."""
-
-
 def save(run_dir, step: int, *, chunks, optimizer, shared: dict, keep: int, config: str = "") -> Path:
     """Collective: write checkpoint `step` (with `config`, the experiment's YAML, as config.yaml when
-    given), rename it into place, prune to `keep`; returns its path. SaveFailed when a write fails."""
-    from megatron.core import dist_checkpointing
-
-    rank, final, tmp = dist.get_rank(), files_.step_dir(run_dir, step), files_.tmp_dir(run_dir, step)
-
-    def start() -> None:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
-        tmp.mkdir(parents=True)
-
-    def write_rank0_files() -> None:
-        for name, obj in shared.items():
-            files_.write_durable(tmp / f"{name}.pt", lambda f, o=obj: torch.save(o.state_dict(), f))
-        if config:
-            files_.write_durable(tmp / files_.CONFIG, lambda f: f.write(config.encode()))
-        for p in tmp.iterdir():  # rank 0's own files (common.pt, metadata.json); shards were fsynced by their writers
-            files_.fsync_path(p)
-
-    def finish() -> None:
-        files_.write_marker(tmp, {"step": step, "format": files_.FORMAT, "layout": _layout(),
-                                  "optimizers": _optimizer_count(optimizer), "shared": sorted(shared)})
-        files_.fsync_path(tmp)
-        if final.exists():  # an abandoned history's checkpoint of this step, or one without COMPLETE
-            old = final.with_name(f".{final.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.replace(tmp, final)
-        files_.fsync_path(final.parent)
-        files_.prune(run_dir, keep=keep, newest=final)
-
-    _on_rank0(start, run_dir, step)
-    try:  # every rank writes its shard; torch gathers the ranks' errors, so all raise alike
-        dist_checkpointing.save(_sharded_state_dict(chunks, optimizer, loading=False, with_rng=True), str(tmp),
-                                sharded_strategy=_sync_save_strategy())
-    except (OSError, CheckpointException) as e:  # noqa: B014 - CheckpointException is a BaseException
-        _on_rank0(lambda: None, run_dir, step, failed=files_.describe_error(e))
-    _on_rank0(write_rank0_files, run_dir, step)  # after every rank's shard is on disk
-    _on_rank0(finish, run_dir, step)
-    return final
-
-
-def _on_rank0(fn, run_dir, step: int, failed: str | None = None) -> None:
-    """Collective: run `fn` on rank 0, then every rank learns whether it (or, with `failed`, an
-    earlier collective part) failed; on failure rank 0 removes the temporary directory and every
-    rank raises the same SaveFailed. One broadcast, which also orders the ranks like a barrier."""
-    box = [failed]
-    if dist.get_rank() == 0 and failed is None:
-        try:
-            fn()
-        except OSError as e:
-            box[0] = files_.describe_error(e)  # an OSError's message names its file when it has one
-    if dist.get_rank() == 0 and box[0] is not None:
-        tmp = files_.tmp_dir(run_dir, step)
-        written = files_.tree_bytes(tmp)
-        shutil.rmtree(tmp, ignore_errors=True)
-        free = shutil.disk_usage(files_.root(run_dir)).free if files_.root(run_dir).is_dir() else 0
-        box[0] = (f"checkpoint of step {step} not written: {box[0]}; {tmp} ({written / 2**20:.1f} MiB written) was "
-                  f"removed, {free / 2**20:.1f} MiB are free in {files_.root(run_dir)}; the earlier checkpoints "
-                  "are untouched. Free space (or set run.checkpoint_keep lower) and resume with run.resume=true")
-    dist.broadcast_object_list(box, src=0)
-    if box[0] is not None:
-        raise SaveFailed(box[0])
+    given), rename it into place, prune to `keep`; returns its path. SaveFailed (the same on every
+    rank) when any part fails on any rank; checkpoint_save.py says how."""
+    extra = {f"{name}.pt": (lambda f, o=obj: torch.save(o.state_dict(), f)) for name, obj in shared.items()}
+    if config:
+        extra[files_.CONFIG] = lambda f: f.write(config.encode())
+    marker = {"step": step, "format": files_.FORMAT, "layout": _layout(), "optimizers": _optimizer_count(optimizer),
+              "shared": sorted(shared)}
+    return checkpoint_save.write(run_dir, step, _sharded_state_dict(chunks, optimizer, loading=False, with_rng=True),
+                                 extra=extra, marker=marker, keep=keep)
 
 
 def resume_point(run_dir: str | os.PathLike) -> Path | None:

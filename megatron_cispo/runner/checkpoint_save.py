@@ -1,0 +1,154 @@
+"""Writing one checkpoint so that a failure on any rank, in any part, stops every rank alike.
+
+    path = write(run_dir, step, sharded_state_dict, extra={"sampler.pt": fn}, marker=info, keep=2)  # collective
+
+The parts: rank 0 clears .step_<step>.tmp/; every rank writes its shards (torch.distributed.checkpoint,
+which gathers the ranks' errors itself); rank 0 writes its own files (dist_checkpointing's common.pt
+and metadata.json, the `extra` files, COMPLETE) and renames the directory into place. After each part
+every rank learns whether any rank failed (`first_failure`, one all_gather_object), so no rank is left
+alone in a collective; then rank 0 removes the temporary directory and every rank raises the same
+SaveFailed. Any exception counts: torch.save to a full disk raises RuntimeError, not OSError.
+This is megatron-core 0.16.1's dist_checkpointing.save (its synchronous path) taken apart for that;
+the files are the same. What fails after the rename (pruning) is a warning: the checkpoint is in place.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from . import checkpoint_files as files_
+
+# What a failed part may raise: CheckpointException (every rank's errors, gathered) is a BaseException.
+FAILURES = (Exception, CheckpointException)
+
+
+class SaveFailed(RuntimeError):
+    """A checkpoint could not be written (a full disk, a quota, a lost mount): raised alike on every
+    rank, its one line names the file, the error and the free space; the temporary directory is
+    removed and the earlier checkpoints are untouched."""
+
+
+def first_failure(error: str | None) -> tuple[int, str] | None:
+    """Collective (one all_gather_object; none in a single process): (rank, error) of the lowest rank
+    whose `error` is not None, the same on every rank; None when no rank failed."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None if error is None else (0, error)
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next(((rank, e) for rank, e in enumerate(errors) if e is not None), None)
+
+
+def _attempt(parts: list[tuple[Path | None, Callable[[], None]]]) -> str | None:
+    """Run each (file it writes, fn) in order; the first failure in one line naming its file, else None."""
+    for path, fn in parts:
+        try:
+            fn()
+        except FAILURES as e:  # noqa: B014 - CheckpointException is a BaseException
+            said = files_.describe_error(e)
+            return said if path is None or str(path) in said else f"{path}: {said}"
+    return None
+
+
+def _part(parts, run_dir, step: int, *, on_every_rank: bool = False) -> None:
+    """Collective: run `parts` on rank 0 (or on every rank), then agree; on a failure anywhere rank 0
+    removes the temporary directory and every rank raises the same SaveFailed."""
+    rank = dist.get_rank()
+    failed = first_failure(_attempt(parts) if on_every_rank or rank == 0 else None)
+    if failed is None:
+        return
+    box = [None]
+    if rank == 0:
+        where, error = failed
+        tmp = files_.tmp_dir(run_dir, step)
+        written = files_.tree_bytes(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(files_.root(run_dir)).free if files_.root(run_dir).is_dir() else 0
+        on = f" (rank {where})" if where else ""
+        box[0] = (f"checkpoint of step {step} not written: {error}{on}; {tmp} ({written / 2**20:.1f} MiB written) "
+                  f"was removed, {free / 2**20:.1f} MiB are free in {files_.root(run_dir)}; the earlier checkpoints "
+                  "are untouched. Free space (or set run.checkpoint_keep lower) and resume with run.resume=true")
+    dist.broadcast_object_list(box, src=0)
+    raise SaveFailed(box[0])
+
+
+def _sync_save_strategy():
+    """dist_checkpointing's torch_dist format, written in this process by torch.distributed.checkpoint's
+    FileSystemWriter (fsyncs each file). megatron-core 0.16.1's default writer forks writer processes,
+    needs psutil, and waits forever when one of them fails; its output is the same format."""
+    from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner, _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
+    from torch.distributed import checkpoint as dcp
+
+    class SyncTorchDistSave(SaveShardedStrategy):
+        def can_handle_sharded_objects(self):
+            return True
+
+        def save(self, sharded_state_dict, checkpoint_dir):
+            # the same translation as megatron's TorchDistSaveShardedStrategy.async_save
+            flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, keep_only_main_replica=True)
+            dcp.save(mcore_to_pyt_state_dict(flat, False),
+                     storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), sync_files=True),
+                     planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False))
+
+    return SyncTorchDistSave("torch_dist", 1)
+
+
+def write(run_dir, step: int, sharded_state_dict: dict, *, extra: dict, marker: dict, keep: int) -> Path:
+    """Collective: write checkpoint `step` (the sharded state, each `extra` file name -> write(file)
+    on rank 0, COMPLETE holding `marker`), rename it into place, prune to `keep`; returns its path.
+    SaveFailed, alike on every rank, when any part fails on any rank."""
+    from megatron.core.dist_checkpointing import core as dist_core
+    from megatron.core.dist_checkpointing.serialization import get_default_save_common_strategy
+    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+
+    final, tmp = files_.step_dir(run_dir, step), files_.tmp_dir(run_dir, step)
+
+    def start() -> None:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
+        tmp.mkdir(parents=True)
+
+    def rename() -> None:
+        files_.fsync_path(tmp)
+        if final.exists():  # an abandoned history's checkpoint of this step, or one without COMPLETE
+            old = final.with_name(f".{final.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.replace(tmp, final)
+
+    _part([(tmp, start)], run_dir, step)
+    sharded, common = save_preprocess(sharded_state_dict, validate_access_integrity=True)  # collective checks
+    strategy = _sync_save_strategy()
+    _part([(None, lambda: strategy.save(sharded, tmp))], run_dir, step, on_every_rank=True)
+    config = dist_core.CheckpointingConfig(strategy.backend, strategy.version)
+    own = [(tmp / "common.pt", lambda: get_default_save_common_strategy().save_common(common, tmp)),
+           (tmp / "metadata.json", lambda: dist_core.save_config(config, str(tmp)))]
+    own += [(tmp / name, lambda p=tmp / name, fn=fn: files_.write_durable(p, fn)) for name, fn in extra.items()]
+    own += [(tmp / "common.pt", lambda: files_.fsync_path(tmp / "common.pt")),  # shards: fsynced by their writers
+            (tmp / "metadata.json", lambda: files_.fsync_path(tmp / "metadata.json")),
+            (tmp / files_.MARKER, lambda: files_.write_marker(tmp, marker)), (final, rename)]
+    _part(own, run_dir, step)
+    if dist.get_rank() == 0:
+        _tidy(run_dir, final, keep)
+    return final
+
+
+def _tidy(run_dir, final: Path, keep: int) -> None:
+    """Rank 0, after the rename: make it durable and prune; a failure here is a warning, never a lost
+    checkpoint (the checkpoint is in place and complete)."""
+    try:
+        files_.fsync_path(final.parent)
+        files_.prune(run_dir, keep=keep, newest=final)
+    except FAILURES as e:  # noqa: B014
+        try:
+            print(f"warning: checkpoint {final} is written, but tidying {files_.root(run_dir)} failed "
+                  f"({files_.describe_error(e)}); older checkpoints may be left", file=sys.stderr, flush=True)
+        except OSError:
+            pass

@@ -1,0 +1,84 @@
+"""checkpoint.save on 2 gloo ranks with a failure injected into rank 0's own writes (the disk filling up
+under common.pt, metadata.json or sampler.pt): every rank raises the same SaveFailed, in one line naming
+the file, and the temporary directory is gone; nobody waits in a collective alone. A failure while
+pruning, after the checkpoint is in place, is a warning. No root needed: the errors are injected (a
+real full disk is tests/e2e/test_checkpoint_faults.py, which needs a tmpfs mount)."""
+import errno
+from pathlib import Path
+
+from megatron_cispo.testing import spawn
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = str(ROOT / "yaml_configs" / "demo_cpu.yaml")
+TINY = ["rollout.prompts_per_step=8", "rollout.group_size=4", "parallelism.micro_batch_size=8",
+        "rollout.precision=fp32", "run.tensorboard=false", "parallelism.tp=1"]
+ENOSPC = OSError(errno.ENOSPC, "No space left on device")
+TORN = RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 64 vs 0")  # torch.save, disk full
+# (case, what raises on rank 0, the error, the file named)
+CASES = [("common_oserror", "common", ENOSPC, "common.pt"), ("common_runtime", "common", TORN, "common.pt"),
+         ("metadata_oserror", "metadata", ENOSPC, "metadata.json"),
+         ("sampler_runtime", "durable", TORN, "sampler.pt")]
+
+
+def _inject(where, error):
+    """Make rank 0's `where` write raise `error`; returns the undo."""
+    from megatron.core.dist_checkpointing import core
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
+
+    from megatron_cispo.runner import checkpoint_files
+
+    owner, name = {"common": (TorchCommonSaveStrategy, "save_common"), "metadata": (core, "save_config"),
+                   "durable": (checkpoint_files, "write_durable"), "prune": (checkpoint_files, "prune")}[where]
+    original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+
+    def fail(*args, **kwargs):
+        raise error
+
+    setattr(owner, name, fail)
+    return lambda: setattr(owner, name, original)
+
+
+def save_worker(run_dir, cases):
+    import contextlib
+    import io
+
+    import torch.distributed as dist
+
+    from megatron_cispo.demo import loop
+    from megatron_cispo.runner import checkpoint, checkpoint_files
+    from megatron_cispo.runner.experiment import dump_yaml, load_experiment
+
+    cfg = load_experiment(DEMO, [*TINY, f"run.run_dir={run_dir}"])
+    t = loop._set_up(cfg, loop._init_distributed(cfg))
+    out = []
+    for step, (case, where, error, _) in enumerate(cases, start=1):
+        undo = _inject(where, error) if dist.get_rank() == 0 else (lambda: None)
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                path = checkpoint.save(run_dir, step, chunks=t.chunks, optimizer=t.optimizer,
+                                       shared={"sampler": t.sampler}, keep=5, config=dump_yaml(cfg))
+            said = ("saved", str(path), err.getvalue())
+        except checkpoint.SaveFailed as e:
+            said = ("failed", str(e), err.getvalue())
+        finally:
+            undo()
+        out.append((case, *said, checkpoint_files.tmp_dir(run_dir, step).exists(),
+                    (checkpoint_files.step_dir(run_dir, step) / checkpoint_files.MARKER).is_file()))
+    return out
+
+
+def test_a_failed_write_of_rank_0s_own_files_stops_every_rank_alike_and_a_failed_prune_only_warns(tmp_path):
+    cases = [*CASES, ("prune_oserror", "prune", ENOSPC, "")]
+    ranks = spawn(save_worker, 2, (tmp_path / "run", cases), timeout_s=240)
+    for (case, where, error, name), *per_rank in zip(cases, *ranks):
+        said = {r[1:3] for r in per_rank}
+        assert len(said) == 1 or where == "prune", (case, per_rank)  # the same on every rank
+        kind, text, _, tmp_left, complete = per_rank[0][1:]
+        if where == "prune":  # after the rename: the checkpoint is in place, rank 0 warns
+            assert kind == "saved" and complete and not tmp_left, per_rank
+            assert "warning: checkpoint" in per_rank[0][3] and "OSError: [Errno 28]" in per_rank[0][3], per_rank
+            continue
+        assert kind == "failed" and not tmp_left and not complete, (case, per_rank)
+        assert "\n" not in text and text.startswith(f"checkpoint of step "), text
+        assert name in text and type(error).__name__ in text and "MiB are free" in text, (case, text)
