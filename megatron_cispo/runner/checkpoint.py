@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
 from ..config import ConfigError
 from . import checkpoint_files as files_
@@ -183,6 +182,28 @@ def resume_point(run_dir: str | os.PathLike) -> Path | None:
     return None if decision[0] is None else Path(decision[0])
 
 
+def _load_error(path: Path, e: BaseException) -> str:
+    """One line for a failed load; "saved by another model or optimizer" only where the checkpoint's
+    tensors or keys do not fit this model (a read error or a bug is said as what it is)."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    cause = files_.root_cause(e)
+    text = f"run.resume: cannot load the model and optimizer from {path}: {files_.describe_error(e)}"
+    if isinstance(cause, (CheckpointingException, KeyError)) or "size mismatch" in str(cause) \
+            or "shape mismatch" in str(cause).lower():
+        settings = f" (its settings: {path / files_.CONFIG})" if (path / files_.CONFIG).is_file() else ""
+        text += f"; it was saved by another model or optimizer{settings}"
+    return text
+
+
+def _raise_agreed(error: str | None, cause: BaseException | None) -> None:
+    """Collective: ConfigError on every rank, with the lowest failing rank's line, when any rank failed."""
+    failed = checkpoint_save.first_failure(error)
+    if failed is not None:
+        rank, text = failed
+        raise ConfigError(text + (f" (on rank {rank})" if rank else "")) from (cause if error else None)
+
+
 def load(path: Path, *, chunks, optimizer, shared: dict) -> int:
     """Collective: restore the model chunks, the optimizer, RNG states (same layout only) and every
     object in `shared` from checkpoint `path`; returns its step. ConfigError names the file that failed."""
@@ -202,6 +223,7 @@ def load(path: Path, *, chunks, optimizer, shared: dict) -> int:
     if not same_layout and _rank() == 0:
         print(f"note: {path} was saved at {_describe(info.get('layout', {}))}; the model and optimizer are "
               f"resharded to {_describe(_layout())}, RNG states stay as seeded by run.seed", flush=True)
+    state, error, cause = None, None, None
     try:
         state = dist_checkpointing.load(_sharded_state_dict(chunks, optimizer, loading=True, with_rng=same_layout),
                                         str(path))
@@ -209,16 +231,17 @@ def load(path: Path, *, chunks, optimizer, shared: dict) -> int:
         for i, m in enumerate(models):
             m.load_state_dict(state["model" if len(models) == 1 else f"model{i}"])
         load_optimizer_state(optimizer, state["optimizer"])
-    # CheckpointException (every rank's read errors, gathered) derives from BaseException, not Exception
-    except (Exception, CheckpointException) as e:  # noqa: BLE001
-        settings_file = f" (its settings: {path / files_.CONFIG})" if (path / files_.CONFIG).is_file() else ""
-        raise ConfigError(f"run.resume: cannot load the model and optimizer from {path}: {files_.describe_error(e)}; "
-                          f"it was saved by another model or optimizer{settings_file}") from None
+    except checkpoint_save.FAILURES as e:  # noqa: B014 - CheckpointException is a BaseException
+        error, cause = _load_error(path, e), e
+    _raise_agreed(error, cause)  # the per-rank loads above fail on some ranks only: all must stop
     if same_layout:
         _set_rng_state(state["rng_state"])
+    error = None
     for name, obj in shared.items():
         try:
             obj.load_state_dict(torch.load(path / f"{name}.pt", map_location="cpu", weights_only=False))
         except Exception as e:  # noqa: BLE001 - name the file, whatever went wrong in it
-            raise ConfigError(f"run.resume: cannot load {path / f'{name}.pt'}: {files_.describe_error(e)}") from e
+            error, cause = f"run.resume: cannot load {path / f'{name}.pt'}: {files_.describe_error(e)}", e
+            break
+    _raise_agreed(error, cause)
     return int(info["step"])

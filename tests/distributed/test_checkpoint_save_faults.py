@@ -2,7 +2,8 @@
 under common.pt, metadata.json or sampler.pt): every rank raises the same SaveFailed, in one line naming
 the file, and the temporary directory is gone; nobody waits in a collective alone. A failure while
 pruning, after the checkpoint is in place, is a warning. No root needed: the errors are injected (a
-real full disk is tests/e2e/test_checkpoint_faults.py, which needs a tmpfs mount)."""
+real full disk is tests/e2e/test_checkpoint_faults.py, which needs a tmpfs mount). checkpoint.load that
+fails on one rank only stops every rank with that rank's line."""
 import errno
 from pathlib import Path
 
@@ -82,3 +83,51 @@ def test_a_failed_write_of_rank_0s_own_files_stops_every_rank_alike_and_a_failed
         assert kind == "failed" and not tmp_left and not complete, (case, per_rank)
         assert "\n" not in text and text.startswith(f"checkpoint of step "), text
         assert name in text and type(error).__name__ in text and "MiB are free" in text, (case, text)
+
+
+LOAD_CASES = [("none", None, None), ("rank1_runtime", 1, RuntimeError("boom in load_state_dict")),
+              ("rank0_keyerror", 0, KeyError("optimizer.state.momentum_buffer"))]
+
+
+def load_worker(run_dir):
+    import torch.distributed as dist
+
+    from megatron_cispo.config import ConfigError
+    from megatron_cispo.demo import loop
+    from megatron_cispo.runner import checkpoint
+    from megatron_cispo.runner.experiment import dump_yaml, load_experiment
+
+    cfg = load_experiment(DEMO, [*TINY, f"run.run_dir={run_dir}"])
+    t = loop._set_up(cfg, loop._init_distributed(cfg))
+    loop._resume(t)  # a fresh run: the sampler gets version 0
+    loop._step(t, 0)  # one step, so that the optimizer has state (Adam's moments) to save and load
+    path = checkpoint.save(run_dir, 1, chunks=t.chunks, optimizer=t.optimizer, shared={"sampler": t.sampler},
+                           keep=2, config=dump_yaml(cfg))
+    out = []
+    for case, rank, error in LOAD_CASES:
+        original = checkpoint.load_optimizer_state
+        if rank == dist.get_rank():
+            def fail(*args, error=error):
+                raise error
+            checkpoint.load_optimizer_state = fail
+        try:
+            out.append((case, "loaded", checkpoint.load(path, chunks=t.chunks, optimizer=t.optimizer,
+                                                        shared={"sampler": t.sampler})))
+        except ConfigError as e:
+            out.append((case, "refused", str(e)))
+        finally:
+            checkpoint.load_optimizer_state = original
+    return out
+
+
+def test_a_load_that_fails_on_one_rank_stops_every_rank_with_that_ranks_line_and_the_right_cause(tmp_path):
+    ranks = spawn(load_worker, 2, (tmp_path / "run",), timeout_s=240)
+    got = dict(zip([c for c, _, _ in LOAD_CASES], zip(*ranks)))
+    assert all(r[1:] == ("loaded", 1) for r in got["none"]), got
+    for case in ("rank1_runtime", "rank0_keyerror"):
+        assert len({r[1:] for r in got[case]}) == 1 and got[case][0][1] == "refused", got[case]  # alike everywhere
+    one = got["rank1_runtime"][0][2]
+    assert one.startswith("run.resume: cannot load the model and optimizer from ") and "\n" not in one, one
+    assert one.endswith("RuntimeError: boom in load_state_dict (on rank 1)") and "another model" not in one, one
+    key = got["rank0_keyerror"][0][2]
+    assert "KeyError: optimizer.state.momentum_buffer; it was saved by another model or optimizer" in key, key
