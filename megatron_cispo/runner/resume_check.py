@@ -6,8 +6,9 @@ saved with other settings (the table is in docs/reliability.md).
 
 Refused: what the checkpoint's state was made for (the model's tensors, the optimizer's kind) and
 the seed the run so far was drawn from. Applied without a word: bookkeeping and the layout (which
-the load reshards to). Everything else (optimizer settings, loss, rollout) applies from the next
-step, with one warning line naming each change.
+the load reshards to); run.steps too, unless a decaying learning-rate schedule stretches over it.
+Everything else (optimizer settings, loss, rollout) applies from the next step, with one warning
+line naming each change.
 """
 from __future__ import annotations
 
@@ -45,6 +46,13 @@ def rule_for(key: str) -> str:
     return "silent" if any(_matches(key, r) for r in _SILENT) else "warn"
 
 
+def _lr_follows_steps(flat: dict) -> bool:
+    """Whether optimizer.lr_at depends on run.steps: a cosine or linear decay to a min_lr below lr
+    (warmup and the constant schedule depend on the step only)."""
+    return flat.get("optimizer.schedule", "constant") != "constant" and flat.get("optimizer.min_lr") != flat.get(
+        "optimizer.lr")
+
+
 def resume_changes(saved_text: str | None, cfg, *, path: Path) -> list[tuple[str, Any, Any]]:
     """(key, saved value, current value) of every changed key to warn about; ConfigError naming every
     refused one. `saved_text`: the checkpoint's config.yaml (None: saved before checkpoints held one,
@@ -63,11 +71,14 @@ def resume_changes(saved_text: str | None, cfg, *, path: Path) -> list[tuple[str
         keys = ", ".join(f"{k} (saved {old!r}, now {new!r})" for k, old, new in refused)
         raise ConfigError(f"run.resume: {path} cannot continue with changed {keys}: {'; '.join(sorted(whys))}. "
                           "Resume with the saved values, or start a new run (another run.run_dir)")
-    return [(k, old, new) for k, old, new in changed if rule_for(k) == "warn"]
+    # run.steps is bookkeeping, except that a decaying schedule's learning rate is a function of it
+    steps_warn = _lr_follows_steps(saved) or _lr_follows_steps(now)
+    return [(k, old, new) for k, old, new in changed if rule_for(k) == "warn" or (k == "run.steps" and steps_warn)]
 
 
 def changed_settings_warning(path: Path, changes: list[tuple[str, Any, Any]], start: int) -> str:
     """The one warning line for applied changes."""
-    listed = ", ".join(f"{k} {old!r} -> {new!r}" for k, old, new in changes)
+    listed = ", ".join(f"{k} {old!r} -> {new!r}" + (" (the learning-rate decay now spans the new run.steps)"
+                                                    if k == "run.steps" else "") for k, old, new in changes)
     return (f"warning: resuming {path} with changed settings, applied from step {start + 1}: {listed} "
             "(run_dir/config_history/ keeps each start's config)")
