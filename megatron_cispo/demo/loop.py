@@ -249,6 +249,8 @@ def _checkpoint_or_preempt(t: _Trainer, step: int) -> None:
     signum = preempt.agreed(t.env.device)  # a signal on any rank: all stop after this step
     saved = None
     if signum or cfg.run.checkpoint_interval and (step + 1) % cfg.run.checkpoint_interval == 0:
+        if signum:
+            preempt.pause_for_tests()
         try:
             saved = checkpoint.save(cfg.run.run_dir, step + 1, chunks=t.chunks, optimizer=t.optimizer,
                                     shared={"sampler": t.sampler}, keep=cfg.run.checkpoint_keep,

@@ -9,10 +9,10 @@ state dicts and every rank's RNG states in dist_checkpointing's torch_dist forma
 `.metadata`, `common.pt`, `metadata.json`), `<name>.pt` for each object in `shared` (rank 0; objects
 with state_dict()/load_state_dict() that are the same on every rank, like the demo's sampler), the
 experiment's config.yaml when save() is given it, and a COMPLETE marker (JSON: step, layout, shared
-names). The optimizer's state (moments, steps) is loaded; its settings stay those it was built with. It is written under .step_<step>.tmp/, every file
-and the directory fsynced, COMPLETE last, then renamed into place (checkpoint_save.py: a failure on any
-rank stops every rank alike); files_ (checkpoint_files.py) names,
-verifies and prunes them. Tensors are resharded on load, so the model and optimizer resume on any
+names). The optimizer's state (moments, steps) is loaded; its settings stay those it was built with.
+It is written under .step_<step>.tmp/, every file and the directory fsynced, COMPLETE last, then
+renamed into place (checkpoint_save.py: a failure on any rank stops every rank alike); files_
+(checkpoint_files.py) names, verifies and prunes them. Tensors are resharded on load, so the model and optimizer resume on any
 layout; RNG states are restored only on the layout that saved them (as Megatron-LM does). A
 multi-node job needs run_dir on a filesystem every node shares: rank 0 verifies and decides for all.
 """

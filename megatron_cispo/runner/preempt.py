@@ -25,6 +25,7 @@ import ctypes
 import os
 import signal
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,9 @@ import torch.distributed as dist
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # a second Ctrl-C: the shell's code for a process ended by SIGINT
 _PR_SET_PDEATHSIG = 1
+# Test-only: seconds to wait after a signal before the checkpoint, so that a test's second Ctrl-C
+# surely arrives while the run is stopping (tests/e2e/test_runtime_faults.py). Never set it otherwise.
+TEST_PAUSE_ENV = "MEGATRON_CISPO_TEST_PAUSE_BEFORE_SAVE_S"
 
 _received = 0  # the first signal's number, 0 before any
 _previous: dict = {}
@@ -126,6 +130,13 @@ def agreed(device: torch.device) -> int:
     flag = torch.tensor([_received], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return int(flag.item())
+
+
+def pause_for_tests() -> None:
+    """Test-only (TEST_PAUSE_ENV): sleep before the checkpoint of a stop; nothing when it is unset."""
+    seconds = os.environ.get(TEST_PAUSE_ENV)
+    if seconds:
+        time.sleep(float(seconds))
 
 
 def stop_message(label: str, step: int, path, signum: int = signal.SIGTERM) -> str:
