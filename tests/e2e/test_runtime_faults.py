@@ -1,10 +1,15 @@
 """The CLI under runtime faults, launched with torchrun as a user would: ranks that resolve
 different configs, a rank that stops answering (SIGSTOP), preemption (SIGTERM to torchrun), and
-Ctrl-C or a dropped terminal (SIGINT, SIGHUP to torchrun's process group, as a terminal sends them)."""
+Ctrl-C or a dropped terminal (SIGINT, SIGHUP to torchrun's process group, as a terminal sends them;
+SIGHUP after the terminal is really gone, on a pty)."""
+import contextlib
 import os
+import pty
 import re
+import select
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -12,7 +17,7 @@ from e2e_helpers import DEMO, ROOT, TINY, Job, env, metrics, torchrun
 from megatron_cispo.runner import preempt
 from megatron_cispo.runner.checkpoint_files import MARKER, complete
 from megatron_cispo.testing import free_port
-from megatron_cispo.train import EXIT_CONFIG, EXIT_PEER_LOST
+from megatron_cispo.train import EXIT_CONFIG, EXIT_PEER_LOST, EXIT_PREEMPTED
 
 
 def _args(run_dir, *extra):
@@ -190,3 +195,34 @@ def test_through_the_launch_script_ctrl_c_exits_5_and_a_second_one_130_with_the_
         assert "KeyboardInterrupt" not in text and "[rank0]" not in text and not _still_running(run_dir)
         # once: the checkpoint after the step; twice: none (a save cut short leaves .step_N.tmp for the next)
         assert bool(complete(run_dir)) == (times == 1) and ("stopped by" in text) == (times == 1), text[-3000:]
+
+
+def test_sighup_from_a_dropped_terminal_checkpoints_exits_5_and_keeps_the_output_in_console_log(tmp_path):
+    # The CLI in one process on a pty, as in an ssh session; closing the master side hangs the terminal
+    # up: every later write to it fails with EIO (it used to kill rank 0 inside the signal handler).
+    run_dir = tmp_path / "run"
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_cispo.train", *_args(run_dir, "run.steps=100000")],
+                            cwd=ROOT, env=env(), stdin=slave, stdout=slave, stderr=slave, start_new_session=True)
+    os.close(slave)
+    try:
+        deadline = time.monotonic() + 150
+        while not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "metrics.jsonl").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline
+            with contextlib.suppress(OSError):  # keep the pty drained, so the CLI never blocks on it
+                while select.select([master], [], [], 0)[0]:
+                    os.read(master, 65536)
+            time.sleep(0.1)
+        os.close(master)
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(timeout=90) == EXIT_PREEMPTED
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stop = metrics(run_dir)[-1]["step"]
+    ckpt = run_dir / "checkpoints" / f"step_{stop:06d}"
+    assert (ckpt / MARKER).is_file()
+    text = (run_dir / "console.log").read_text()
+    assert text.startswith("SIGHUP: finishing this step") and "Traceback" not in text, text
+    assert f"stopped by SIGHUP after step {stop}: checkpoint written to {ckpt}" in text, text
