@@ -16,14 +16,16 @@ itself exits (PR_SET_PDEATHSIG), so no worker lives on without its launcher.
 
 A signal whose disposition is SIG_IGN when install() runs stays ignored: `nohup` sets SIGHUP so,
 and such a run keeps going after logout. On SIGHUP the terminal is gone and writing to it fails
-(EIO), so the handler points file descriptors 1 and 2 at `console_log` (appended; /dev/null when it
-cannot be opened) before it says anything: the rest of the run's console output is kept there.
+(EIO), so the handler points those of file descriptors 1 and 2 that are terminals at `console_log`
+(appended; /dev/null when it cannot be opened) before it says anything: the rest of the run's
+console output is kept there. Output to files or pipes stays where it goes.
 """
 from __future__ import annotations
 
 import ctypes
 import os
 import signal
+import stat
 import threading
 import time
 
@@ -57,16 +59,26 @@ def _say(line: str) -> None:
             pass
 
 
+def _on_terminal(fd: int) -> bool:
+    """Whether `fd` is a terminal (a character device; a hung-up one still is), not a file or a pipe."""
+    try:
+        return stat.S_ISCHR(os.fstat(fd).st_mode)
+    except OSError:
+        return True  # not even fstat works: treat it as gone
+
+
 def _keep_console() -> None:
-    """After SIGHUP: fds 1 and 2 to the console log (or /dev/null), so no later write fails with EIO."""
-    for target in (_console_log, os.devnull):
+    """After SIGHUP: those of fds 1 and 2 that are terminals to the console log (or /dev/null), so no
+    later write fails with EIO; files and pipes (a launcher's log, a scheduler's) stay as they are."""
+    gone = [std for std in (1, 2) if _on_terminal(std)]
+    for target in (_console_log, os.devnull) if gone else ():
         if target is None:
             continue
         try:
             fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         except OSError:
             continue
-        for std in (1, 2):
+        for std in gone:
             os.dup2(fd, std)
         os.close(fd)
         return
@@ -102,7 +114,7 @@ def _die_with_parent() -> None:
 def install(console_log: str | os.PathLike | None = None) -> None:
     """Catch SIGTERM, SIGINT and SIGHUP (main thread only; elsewhere signals cannot be caught and
     nothing changes), except one that is ignored (SIG_IGN, as `nohup` sets SIGHUP). After SIGHUP the
-    console output goes to `console_log` (appended), else to /dev/null."""
+    output to a terminal goes to `console_log` (appended), else to /dev/null."""
     global _received, _console_log
     _received = 0
     _console_log = None if console_log is None else os.fspath(console_log)
