@@ -87,9 +87,10 @@ def make_loss_func(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_size
                    old_from_current: bool = False, entropy: bool = True, cp_group=None):
     """loss_func(microbatch, logits) -> (loss_sum, num_tokens int, Metrics), megatron's 3-tuple.
 
-    microbatch: a step.microbatch.Microbatch, or a dict of its fields (targets, loss_mask, advantages [b, s] or a packed
-    [1, T]; optional old/rollout/ref_logprobs and token_keep, M2PO's selection: False = no loss,
-    still in the denominator; seq_index, n_seqs). logits: [b, s, v/tp] as GPTModel returns them.
+    microbatch: a step.microbatch.Microbatch, or a dict of its fields (targets, loss_mask,
+    advantages [b, s] or a packed [1, T]; optional old/rollout/ref_logprobs and token_keep, M2PO's
+    selection: False = no loss, still in the denominator; seq_index and n_seqs, required with
+    agg_weight, else ValueError). logits: [b, s, v/tp] as GPTModel returns them.
     With agg_weight, agg_share, loss_scale and num_tokens (what policy_step adds) the loss is
     exact for any split: it returns loss_scale * sum(weight * loss)
     with num_tokens = the tokens the model (and an MoE router) saw, and megatron's division by
@@ -113,6 +114,10 @@ def make_loss_func(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_size
         if mb.agg_weight is None:
             res = compute_policy_loss(loss_cfg, lp, **given)
             return res.loss_sum, res.denominator.round().to(torch.int), res.metrics
+        if mb.seq_index is None or mb.n_seqs is None:
+            raise ValueError(f"a microbatch with agg_weight needs seq_index and n_seqs (sequence sums), got "
+                             f"seq_index={'None' if mb.seq_index is None else 'a tensor'}, n_seqs={mb.n_seqs}; "
+                             "build it with step.packing.microbatches, or leave out the normalisation fields")
         seq_sum = _segment_sum(mb.seq_index, mb.n_seqs, _cp_group(cp_group))
         per_token, valid, m = per_token_policy_loss(loss_cfg, lp, seq_sum=seq_sum, **given)
         loss_sum = (per_token * mb.agg_weight).sum()

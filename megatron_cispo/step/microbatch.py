@@ -43,7 +43,9 @@ class Microbatch:
                                                         "the batch's [n, s] targets; -1 = padding")
     seq_index: Optional[Tensor] = config_field(None, "[b, s] int64: each position's sequence within the "
                                                      "microbatch; -1 = padding")
-    n_seqs: int = config_field(0, "sequences in the microbatch (0: an all-padding bin)")
+    n_seqs: Optional[int] = config_field(None, "sequences in the microbatch; 0 = an all-padding bin (an MoE "
+                                              "model runs it without its aux loss), None = not given: the aux "
+                                              "loss stays on. Needed, with seq_index, with agg_weight")
     num_tokens: Optional[Tensor] = config_field(None, "0-dim int: positions the model saw that are not padding")
     agg_weight: Optional[Tensor] = config_field(None, "[b, s] fp32: each token's weight in the global loss "
                                                       "(losses.token_weights on the whole batch)")

@@ -73,13 +73,14 @@ def moe_aux_loss_compensation(config, *, padding_mask: bool) -> Iterator[int]:
 
 
 @contextlib.contextmanager
-def no_aux_loss_without_tokens(config, n_seqs: int) -> Iterator[None]:
+def no_aux_loss_without_tokens(config, n_seqs: Optional[int]) -> Iterator[None]:
     """Around one microbatch's forward: an MoE model's all-padding bin (n_seqs = 0: the filler that
     evens packed bin counts over DP, so that the EP all-to-alls stay in step) runs with the
     aux-loss coefficient at 0. megatron-core's Switch loss over no token is 0/0, and its NaN
     gradient would skip the optimizer step on every rank; having no token, the bin adds nothing
-    to the loss either way. Nothing changes for a dense model or a bin with rows."""
-    if n_seqs > 0 or getattr(config, "num_moe_experts", None) is None:
+    to the loss either way. Nothing changes for a dense model, a bin with rows, or n_seqs None
+    (not given: a hand-built microbatch keeps its aux loss)."""
+    if n_seqs != 0 or getattr(config, "num_moe_experts", None) is None:
         yield
         return
     saved = config.moe_aux_loss_coeff
@@ -125,9 +126,10 @@ class RouterStats:
         routers = [m for c in chunks for m in c.modules() if isinstance(m, TopKRouter)]
         return cls(routers, config) if getattr(config, "num_moe_experts", None) and routers else None
 
-    def start(self, n_seqs: int) -> None:
-        """A microbatch of n_seqs sequences begins (an all-padding bin, n_seqs = 0, is not counted)."""
-        self.live = n_seqs > 0
+    def start(self, n_seqs: Optional[int]) -> None:
+        """A microbatch of n_seqs sequences begins (an all-padding bin, n_seqs = 0, is not counted;
+        None, not given, is)."""
+        self.live = n_seqs != 0
         if self.live:
             self.rows.append(torch.zeros(3, self.layers, dtype=torch.float64, device=self.device))
 

@@ -309,3 +309,41 @@ def test_an_all_padding_bin_at_dp2_ep2_trains_like_one_process(references):
         state = r["packed_windows"]["state"]
         for k, v in ref["state"].items():
             torch.testing.assert_close(state[k], v, rtol=0, atol=TOL, msg=k)
+
+
+def hand_built_microbatch_worker():
+    """make_forward_step on a hand-built padded microbatch, as docs/integration.md shows it (no
+    n_seqs), as a dict without "n_seqs", and with n_seqs given; advantages 0, so that the router's
+    gradient is its aux loss's alone. Returns each one's router gradient."""
+    from megatron_cispo.config import CispoConfig, LossConfig
+    from megatron_cispo.runner import distributed
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_cispo.step import Microbatch, make_forward_step
+
+    distributed.init_distributed()
+    tokens, lengths, loss_mask, _, noise = make_batch()
+    b = len(LENGTHS)
+    fields = dict(input_ids=tokens[:, :-1], position_ids=torch.arange(S)[None].expand(b, S), targets=tokens[:, 1:],
+                  loss_mask=loss_mask, advantages=torch.zeros(b, S), rollout_logprobs=noise * loss_mask, seq_length=S)
+    chunks, _ = _build(aux=AUX_COEFF, z=0.0, lr=1.0)
+    router = _router(chunks)
+    forward_step = make_forward_step(LossConfig(cispo=CispoConfig(anchor="rollout")))
+    grads = {}
+    for name, mb in (("n_seqs given", Microbatch(**fields, n_seqs=b)), ("no n_seqs", Microbatch(**fields)),
+                     ("dict without n_seqs", dict(fields))):
+        chunks[0].zero_grad_buffer()
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([mb]), model=chunks[0],
+                                    num_microbatches=1, seq_length=S, micro_batch_size=b, forward_only=False)
+        grads[name] = router.weight.main_grad.detach().clone()
+    return grads
+
+
+def test_a_hand_built_microbatch_without_n_seqs_keeps_the_moe_aux_loss():
+    """Microbatch.n_seqs used to default to 0, which forward_step reads as an all-padding bin: a
+    Microbatch or dict built by hand trained an MoE model without its aux loss."""
+    grads = spawn(hand_built_microbatch_worker, 1)[0]
+    given = grads.pop("n_seqs given")
+    assert given.abs().max() > 1e-6  # the aux loss is the router's only gradient here
+    for name, g in grads.items():
+        torch.testing.assert_close(g, given, rtol=0, atol=0, msg=name)

@@ -41,3 +41,19 @@ def test_a_dicts_own_keys_are_left_out_with_one_warning_and_another_type_is_refu
         as_microbatch({**fields, "old_logprob": fields["advantages"], "attention_mask": None})
     with pytest.raises(TypeError, match="must be a megatron_cispo.step.Microbatch"):
         as_microbatch([1, 2])
+
+
+def test_the_global_normalisation_without_n_seqs_is_refused_naming_it():
+    """With agg_weight the loss sums sequence quantities by seq_index over n_seqs slots; n_seqs left
+    out (None, not given) is a clear error, not an index error deep in a scatter-add."""
+    loss_func = make_loss_func(LossConfig(cispo=CispoConfig(anchor="rollout")))
+    fields, logits = _fields()
+    del fields["n_seqs"]
+    b, s = fields["targets"].shape
+    norm = dict(agg_weight=torch.full((b, s), 0.1), agg_share=torch.full((b, s), 0.1), loss_scale=1.0,
+                num_tokens=torch.tensor(b * s))
+    assert Microbatch(**fields).n_seqs is None
+    with pytest.raises(ValueError, match=r"agg_weight needs seq_index and n_seqs .*n_seqs=None"):
+        loss_func(Microbatch(**fields, **norm), logits)
+    loss, tokens, _ = loss_func(Microbatch(**fields, **norm, n_seqs=b), logits)  # given: fine
+    assert int(tokens) == b * s and torch.isfinite(loss)
