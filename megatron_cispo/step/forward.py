@@ -56,7 +56,7 @@ def forward_step_for(loss_func, calls: Optional[list] = None, head: str = "logit
         if unwrap(model)[1]:
             kwargs["fp32_output"] = False
         if moe is not None:
-            moe.start(mb.n_seqs)
+            moe.start(mb.n_seqs, model)
         with no_aux_loss_without_tokens(getattr(unwrap(model)[0], "config", None), mb.n_seqs):
             output, fused = forward_with_head(model, head, mb.input_ids, mb.position_ids, None, **kwargs)
         if fused is not None:

@@ -99,7 +99,7 @@ class RouterStats:
 
         stats = RouterStats.of(chunks)       # None for a dense model
         with stats:                          # around the training schedules
-            run_schedule(...)                # forward_step calls stats.start(n_seqs) first
+            run_schedule(...)                # forward_step calls stats.start(n_seqs, model) first
         metrics.update(stats.reduce())       # every rank; collectives over TP x CP, PP and DP
 
     Per microbatch with rows and per layer it records the router's aux loss (the Switch
@@ -114,8 +114,9 @@ class RouterStats:
         self.layers = config.num_layers + (config.mtp_num_layers or 0)
         self.device = routers[0].weight.device
         self.rows: list[Tensor] = []  # per live microbatch: [3, L] aux, z * tokens, tokens
+        self.seen: dict[int, int] = {}  # id(model chunk) -> live microbatches it has run
         self.counts = torch.zeros(self.layers, config.num_moe_experts, dtype=torch.float64, device=self.device)
-        self.live, self.hooks, self.valid = False, [], {}  # valid: layer -> [tokens] bool, this call's
+        self.live, self.row, self.hooks, self.valid = False, None, [], {}  # valid: layer -> [tokens] bool
 
     @classmethod
     def of(cls, chunks) -> Optional["RouterStats"]:
@@ -126,16 +127,22 @@ class RouterStats:
         routers = [m for c in chunks for m in c.modules() if isinstance(m, TopKRouter)]
         return cls(routers, config) if getattr(config, "num_moe_experts", None) and routers else None
 
-    def start(self, n_seqs: Optional[int]) -> None:
-        """A microbatch of n_seqs sequences begins (an all-padding bin, n_seqs = 0, is not counted;
-        None, not given, is)."""
+    def start(self, n_seqs: Optional[int], chunk=None) -> None:
+        """A microbatch of n_seqs sequences begins on model chunk `chunk` (an all-padding bin, n_seqs
+        = 0, is not counted; None, not given, is). The interleaved schedule runs every microbatch
+        once per chunk, in the same order on each, so the k-th microbatch a chunk sees writes row
+        k: one row per microbatch, whatever vp is."""
         self.live = n_seqs != 0
         if self.live:
-            self.rows.append(torch.zeros(3, self.layers, dtype=torch.float64, device=self.device))
+            k = self.seen.get(id(chunk), 0)
+            self.seen[id(chunk)] = k + 1
+            if k == len(self.rows):
+                self.rows.append(torch.zeros(3, self.layers, dtype=torch.float64, device=self.device))
+            self.row = self.rows[k]
 
     def _record(self, name: str, loss: Tensor, layer_number, *args, **kwargs):
         if self.live and layer_number is not None and name in (AUX, Z):
-            row, value = self.rows[-1], loss.detach().double()
+            row, value = self.row, loss.detach().double()
             if name == AUX:
                 row[0, layer_number - 1] += value
             else:  # the router's mean over its valid tokens, back to a sum
