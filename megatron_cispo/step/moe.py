@@ -94,6 +94,15 @@ def no_aux_loss_without_tokens(config, n_seqs: Optional[int]) -> Iterator[None]:
 AUX, Z = "load_balancing_loss", "z_loss"  # megatron-core's tracker names (router.py)
 
 
+def _aux_loss_coeff(config) -> float:
+    """TopKRouter.get_aux_loss_coeff("aux_loss") read off the config, so that a rank without a
+    router decides as the others do."""
+    kind, coeff = config.moe_router_load_balancing_type, config.moe_aux_loss_coeff
+    if isinstance(kind, (list, tuple)):
+        return coeff[list(kind).index("aux_loss")] if "aux_loss" in kind else 0.0
+    return coeff if kind == "aux_loss" else 0.0
+
+
 class RouterStats:
     """The moe/ metrics of one policy step, from what megatron-core's routers computed.
 
@@ -109,10 +118,9 @@ class RouterStats:
     only (the router computes neither loss in eval or no-grad passes).
     """
 
-    def __init__(self, routers: list, config):
-        self.routers, self.config = routers, config
+    def __init__(self, routers: list, config, device: torch.device):
+        self.routers, self.config, self.device = routers, config, device  # routers: this rank's, maybe none
         self.layers = config.num_layers + (config.mtp_num_layers or 0)
-        self.device = routers[0].weight.device
         self.rows: list[Tensor] = []  # per live microbatch: [3, L] aux, z * tokens, tokens
         self.seen: dict[int, int] = {}  # id(model chunk) -> live microbatches it has run
         self.counts = torch.zeros(self.layers, config.num_moe_experts, dtype=torch.float64, device=self.device)
@@ -124,8 +132,12 @@ class RouterStats:
         from megatron.core.utils import get_model_config
 
         config = get_model_config(chunks[0])
+        if not getattr(config, "num_moe_experts", None):
+            return None
+        # Decided by the config, the same on every rank: a PP stage of dense layers (moe_layer_freq)
+        # has no router but must still join reduce()'s collectives, or the other stages hang there.
         routers = [m for c in chunks for m in c.modules() if isinstance(m, TopKRouter)]
-        return cls(routers, config) if getattr(config, "num_moe_experts", None) and routers else None
+        return cls(routers, config, next(chunks[0].parameters()).device)
 
     def start(self, n_seqs: Optional[int], chunk=None) -> None:
         """A microbatch of n_seqs sequences begins on model chunk `chunk` (an all-padding bin, n_seqs
@@ -204,7 +216,7 @@ class RouterStats:
         moe = counts.sum(1) > 0  # the MoE layers (a dense layer routes nothing)
         out = {"moe/expert_tokens_max": counts[moe].max(1).values.max(),
                "moe/expert_tokens_min": counts[moe].min(1).values.min()}
-        if self.routers[0].get_aux_loss_coeff("aux_loss") > 0:
+        if _aux_loss_coeff(self.config) > 0:
             out["moe/aux_loss"] = aux[moe].mean() / total
         if self.config.moe_z_loss_coeff is not None:
             out["moe/z_loss"] = z[moe].mean() / total

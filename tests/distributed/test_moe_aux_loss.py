@@ -8,6 +8,9 @@
 2. TP=2 with sequence parallelism and CP=2 reproduce the single-process packed step with aux and
    z-loss on, padding split unevenly over the ranks included. Without step.moe's TP x CP
    compensation, the router weights are visibly off.
+3. pp4 vp2 (interleaved schedule) with 8 MoE layers, and with layers 4 and 8 dense (PP rank 3
+   holds no router), reproduce one process, moe/ metrics included.
+4. A microbatch built by hand without n_seqs keeps the aux loss (make_forward_step).
 Inputs are chosen so that first-fit-decreasing packing makes the same bins at every pad multiple
 (1, 2, 4): a load-balancing loss is per microbatch, so the layouts must route the same bins.
 """
@@ -43,13 +46,44 @@ def make_batch(lengths=LENGTHS):
     return tokens, lengths, loss_mask, torch.randn(n, generator=g), -0.3 * torch.rand(n, S, generator=g)
 
 
-def _build(*, tp=1, cp=1, sp=False, ep=1, aux, z, lr):
-    """A 1-layer MoE GPT (4 experts, top-2) with scaled routers, and plain SGD that never clips."""
+def _dense_layers_spec(mcfg, dense: tuple):
+    """runner.model's block spec with the global layers `dense` (1-based) built as dense MLPs, as
+    megatron's moe_layer_freq does (runner.model builds every layer MoE)."""
+    from dataclasses import replace
+
+    from megatron.core.transformer import transformer_block as tb
+
+    from megatron_cispo.runner import specs
+
+    dense_layer = specs.layer_spec(replace(mcfg, num_moe_experts=None, moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0))
+
+    def block_spec(layer, tcfg, vp_stage):
+        first = tb.get_transformer_layer_offset(tcfg, vp_stage=vp_stage) + 1
+        n = tb.get_num_layers_to_build(tcfg, vp_stage=vp_stage)
+        return tb.TransformerBlockSubmodules(
+            layer_specs=[dense_layer if first + i in dense else layer for i in range(n)],
+            layer_norm=specs._torch_norm_for(tb.LayerNormImpl))
+    return block_spec
+
+
+def _build(*, tp=1, pp=1, vp=None, cp=1, sp=False, ep=1, aux, z, lr, layers=1, dense=()):
+    """An MoE GPT (4 experts, top-2; the global layers `dense` without experts) with scaled
+    routers, and plain SGD that never clips."""
+    from megatron_cispo.runner import model
     from megatron_cispo.runner.model import ModelConfig, build_model, build_optimizer
 
-    mcfg = ModelConfig(vocab_size=V, seq_length=S + 1, hidden_size=32, num_layers=1, num_attention_heads=4,
+    mcfg = ModelConfig(vocab_size=V, seq_length=S + 1, hidden_size=32, num_layers=layers, num_attention_heads=4,
                        num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_aux_loss_coeff=aux, moe_z_loss_coeff=z)
-    chunks = build_model(mcfg, tp=tp, pp=1, cp=cp, ep=ep, sequence_parallel=sp, seed=5)
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    get_moe_layer_wise_logging_tracker().clear()  # megatron sizes it by the first model's layers
+    saved = model.block_spec
+    if dense:
+        model.block_spec = _dense_layers_spec(mcfg, dense)
+    try:
+        chunks = build_model(mcfg, tp=tp, pp=pp, vp=vp, cp=cp, ep=ep, sequence_parallel=sp, seed=5)
+    finally:
+        model.block_spec = saved
     with torch.no_grad():
         for c in chunks:
             for name, p in c.named_parameters():
@@ -58,10 +92,14 @@ def _build(*, tp=1, cp=1, sp=False, ep=1, aux, z, lr):
     return chunks, build_optimizer(chunks, lr=lr, optimizer="sgd", clip_grad=0.0)
 
 
-def _router(chunks):
+def _routers(chunks) -> list:
     from megatron.core.transformer.moe.router import TopKRouter
 
-    (router,) = [m for c in chunks for m in c.modules() if isinstance(m, TopKRouter)]
+    return [m for c in chunks for m in c.modules() if isinstance(m, TopKRouter)]
+
+
+def _router(chunks):
+    (router,) = _routers(chunks)
     return router
 
 
@@ -136,19 +174,25 @@ def hand_aux_worker(lr=100.0):
     return out
 
 
-def router_metrics_by_hand(seen, weight) -> dict:
-    """policy_step's moe/ metrics of a 1-layer model in one process, from the router's inputs:
-    the mean over microbatches of the unscaled aux loss and of mean logsumexp^2 over valid tokens,
-    and the valid tokens routed to the busiest and idlest expert."""
-    w = weight.double()
-    aux = [switch_aux_loss(x, pad, w, 1.0)[0] for x, pad in seen]
-    z, routed = [], torch.zeros(EXPERTS, dtype=torch.float64)
-    for x, pad in seen:
-        logits = (x.reshape(-1, x.shape[-1]).double() @ w.t())[~pad.reshape(-1)]
-        z.append(torch.logsumexp(logits, -1).square().mean())
-        routed += torch.zeros_like(logits).scatter(1, logits.topk(TOPK, dim=-1).indices, 1.0).sum(0)
-    return {"moe/aux_loss": float(sum(aux)) / len(aux), "moe/z_loss": float(sum(z)) / len(z),
-            "moe/expert_tokens_max": float(routed.max()), "moe/expert_tokens_min": float(routed.min())}
+def router_metrics_by_hand(seen: dict, weights: dict) -> dict:
+    """policy_step's moe/ metrics in one process, from the routers' inputs (seen: layer -> [(x,
+    pad)], weights: layer -> router weight): per layer the mean over microbatches of the unscaled
+    aux loss and of mean logsumexp^2 over valid tokens, then the mean over MoE layers; the valid
+    tokens routed to the busiest and idlest expert of any layer."""
+    aux, z, top, low = [], [], [], []
+    for layer, mbs in seen.items():
+        w = weights[layer].double()
+        aux.append(sum(float(switch_aux_loss(x, pad, w, 1.0)[0]) for x, pad in mbs) / len(mbs))
+        zs, routed = [], torch.zeros(EXPERTS, dtype=torch.float64)
+        for x, pad in mbs:
+            logits = (x.reshape(-1, x.shape[-1]).double() @ w.t())[~pad.reshape(-1)]
+            zs.append(float(torch.logsumexp(logits, -1).square().mean()))
+            routed += torch.zeros_like(logits).scatter(1, logits.topk(TOPK, dim=-1).indices, 1.0).sum(0)
+        z.append(sum(zs) / len(zs))
+        top.append(float(routed.max()))
+        low.append(float(routed.min()))
+    return {"moe/aux_loss": sum(aux) / len(aux), "moe/z_loss": sum(z) / len(z),
+            "moe/expert_tokens_max": max(top), "moe/expert_tokens_min": min(low)}
 
 
 # Per run: (TP x CP compensation on, packed, micro_batch_size, on this rank's DP shard). "padded"
@@ -156,7 +200,13 @@ def router_metrics_by_hand(seen, weight) -> dict:
 # "packed_windows" packs rows 0-3 into 2 bins and rows 4-7 into 3, so rank 0 runs an all-padding
 # bin to keep the EP all-to-alls in step.
 RUNS = {"compensated": (True, True, 8, False), "uncompensated": (False, True, 8, False),
-        "padded": (True, False, 2, True), "packed_windows": (True, True, 4, True)}
+        "padded": (True, False, 2, True), "packed_windows": (True, True, 4, True),
+        "interleaved": (True, True, 8, False), "dense_stage": (True, True, 8, False)}
+# The model of a run, when not one MoE layer. "interleaved": 8 MoE layers, one per virtual stage at
+# pp4 vp2 (the schedule calls forward_step once per chunk and microbatch; gloo refuses vp at pp2).
+# "dense_stage": layers 4 and 8 dense, so that PP rank 3 holds no router and still joins
+# RouterStats' reductions.
+RUN_MODEL = {"interleaved": {"layers": 8}, "dense_stage": {"layers": 8, "dense": (4, 8)}}
 
 
 def layout_worker(layout: dict, runs=("compensated",), lr=1.0):
@@ -172,18 +222,20 @@ def layout_worker(layout: dict, runs=("compensated",), lr=1.0):
     from megatron_cispo.step import Rollouts, StepConfig, policy_step
 
     tp, cp, sp, ep = layout.get("tp", 1), layout.get("cp", 1), layout.get("sp", False), layout.get("ep", 1)
-    distributed.init_distributed(tp=tp, cp=cp, ep=ep)
+    pp, vp = layout.get("pp", 1), layout.get("vp")
+    distributed.init_distributed(tp=tp, pp=pp, vp=vp, cp=cp, ep=ep)
     tokens, lengths, loss_mask, adv, noise = make_batch()
     fixed_in = moe.FIXED_IN
     out = {}
     for run in runs:
         compensated, packed, micro, shard = RUNS[run]
         moe.FIXED_IN = fixed_in if compensated else (0, 0)
-        chunks, opt = _build(tp=tp, cp=cp, sp=sp, ep=ep, aux=AUX_COEFF, z=Z_COEFF, lr=lr)
-        router = _router(chunks)
-        w0 = router.weight.detach().clone()
-        seen: list = []
-        hook = _capture_router_inputs(router, seen)
+        chunks, opt = _build(tp=tp, pp=pp, vp=vp, cp=cp, sp=sp, ep=ep, aux=AUX_COEFF, z=Z_COEFF, lr=lr,
+                             **RUN_MODEL.get(run, {}))
+        routers = _routers(chunks)
+        w0 = {r.layer_number: r.weight.detach().clone() for r in routers}
+        seen: dict = {r.layer_number: [] for r in routers}
+        hooks = [_capture_router_inputs(r, seen[r.layer_number]) for r in routers]
         initial = gather_full_state(chunks)
         batch = Rollouts(tokens=tokens, loss_mask=loss_mask, advantages=adv, lengths=lengths,
                          rollout_logprobs=noise * loss_mask)
@@ -191,12 +243,15 @@ def layout_worker(layout: dict, runs=("compensated",), lr=1.0):
         if shard:
             batch = batch.dp_shard(dp_rank=mpu.get_data_parallel_rank(), dp=mpu.get_data_parallel_world_size())
         metrics = policy_step(chunks, opt, batch, from_dict(LossConfig, {"cispo": {"anchor": "rollout"}}), step_cfg)
-        hook.remove()
-        seen = [(x, pad) for x, pad in seen if not pad.all()]  # an all-padding filler bin routes nothing
+        for h in hooks:
+            h.remove()
+        # an all-padding filler bin routes nothing
+        seen = {k: [(x, pad) for x, pad in v if not pad.all()] for k, v in seen.items()}
+        flat = [(k, x, pad) for k, v in seen.items() for x, pad in v]
         out[run] = {"metrics": metrics, "initial": initial, "state": gather_full_state(chunks),
-                    "gap": min(_logit_gap(x, pad, w0) for x, pad in seen),
-                    "valid": [int((~pad).sum()) for _, pad in seen], "seen": [pad.numel() for _, pad in seen],
-                    "by_hand": router_metrics_by_hand(seen, w0)}
+                    "gap": min((_logit_gap(x, pad, w0[k]) for k, x, pad in flat), default=float("inf")),
+                    "valid": [int((~pad).sum()) for _, _, pad in flat], "seen": [pad.numel() for _, _, pad in flat],
+                    "by_hand": router_metrics_by_hand(seen, w0) if flat else None}
     moe.FIXED_IN = fixed_in
     return out
 
@@ -215,22 +270,23 @@ def test_router_update_is_the_hand_computed_aux_gradient_for_every_loss_agg():
 
 
 _RUNS: dict[str, list] = {}
-LAYOUTS = {"tp2_sp": {"tp": 2, "sp": True}, "cp2": {"cp": 2}, "dp2_ep2": {"ep": 2}}
+LAYOUTS = {"tp2_sp": {"tp": 2, "sp": True}, "cp2": {"cp": 2}, "dp2_ep2": {"ep": 2}, "pp4_vp2": {"pp": 4, "vp": 2}}
 
 
 def _layout_results(name: str) -> list[dict]:
     """Per-rank results of a layout; tp2_sp also runs once without the compensation and once
     padded (its DP shard is the whole batch); dp2_ep2 runs padded only, on its DP shard."""
     if name not in _RUNS:
-        runs = {"tp2_sp": ("compensated", "uncompensated", "padded"), "dp2_ep2": ("padded", "packed_windows")}.get(
-            name, ("compensated",))
-        _RUNS[name] = spawn(layout_worker, 2, (LAYOUTS[name], runs))
+        runs = {"tp2_sp": ("compensated", "uncompensated", "padded"), "dp2_ep2": ("padded", "packed_windows"),
+                "pp4_vp2": ("interleaved", "dense_stage")}.get(name, ("compensated",))
+        _RUNS[name] = spawn(layout_worker, LAYOUTS[name].get("pp", 2), (LAYOUTS[name], runs))
     return _RUNS[name]
 
 
 @pytest.fixture(scope="module")
 def references():
-    return spawn(layout_worker, 1, ({}, ("compensated", "padded", "packed_windows")))[0]
+    return spawn(layout_worker, 1, ({}, ("compensated", "padded", "packed_windows", "interleaved",
+                                         "dense_stage")))[0]
 
 
 @pytest.fixture(scope="module")
@@ -309,6 +365,27 @@ def test_an_all_padding_bin_at_dp2_ep2_trains_like_one_process(references):
         state = r["packed_windows"]["state"]
         for k, v in ref["state"].items():
             torch.testing.assert_close(state[k], v, rtol=0, atol=TOL, msg=k)
+
+
+@pytest.mark.parametrize("run", ["interleaved", "dense_stage"])
+def test_pp4_vp2_trains_and_reports_router_metrics_like_one_process(references, run):
+    """The interleaved schedule calls forward_step once per chunk and microbatch: moe/aux_loss and
+    moe/z_loss are still means over microbatches (they came out 1/vp too small). dense_stage: PP
+    rank 3 holds only dense layers, no router, and must still join the reductions (it hung)."""
+    ref = references[run]
+    results = _layout_results("pp4_vp2")
+    if run == "dense_stage":
+        assert [bool(r[run]["valid"]) for r in results] == [True, True, True, False]  # rank 3: no router
+    for rank, r in enumerate(results):
+        m = r[run]["metrics"]
+        assert set(m) == set(ref["metrics"]) and set(MOE_KEYS) <= set(m), f"rank {rank}"
+        for key, value in ref["metrics"].items():
+            if key not in ("step/forward_calls", "step/microbatches"):
+                assert m[key] == pytest.approx(value, rel=TOL, abs=TOL), f"{run} rank {rank} {key}"
+    state = results[0][run]["state"]
+    assert set(state) == set(ref["state"])
+    for k, v in ref["state"].items():
+        torch.testing.assert_close(state[k], v, rtol=0, atol=TOL, msg=f"{run} {k}")
 
 
 def hand_built_microbatch_worker():
