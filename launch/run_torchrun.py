@@ -38,6 +38,10 @@ from torch.distributed.run import main  # noqa: E402
 if user_level is None:
     del os.environ["TORCH_CPP_LOG_LEVEL"]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # megatron_cispo, as the workers' -m finds it
+# Under nohup (SIGHUP ignored) the agent must not handle SIGHUP either: by default it catches it and
+# forwards it, and the workers would stop at logout, which nohup was asked to prevent.
+if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+    os.environ.setdefault("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGQUIT")  # torchrun's --signals-to-handle
 from megatron_cispo.train import REPORTED_EXIT_CODES, main as train  # noqa: E402
 
 # The agent's log lines about stopping workers, held until we know whether a rank said why already.

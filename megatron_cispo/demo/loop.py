@@ -28,7 +28,7 @@ from ..config import ConfigError
 from ..runner import checkpoint, checkpoint_files, peers, preempt, resume_check, rundir
 from ..runner.experiment import ExperimentConfig, dump_yaml
 from ..step.policy_step import NONFINITE_CHECKS
-from .metrics import MetricsWriter, finite_record, headline
+from .metrics import MetricsWriter, finite_record, headline, say
 from .sampler import Sampler
 
 
@@ -170,7 +170,7 @@ def _resume(t: _Trainer):
     changes = resume_check.resume_changes(checkpoint_files.read_config(last), t.cfg, path=last)
     start = checkpoint.load(last, chunks=t.chunks, optimizer=t.optimizer, shared={"sampler": t.sampler})
     if changes and t.env.rank == 0:
-        print(resume_check.changed_settings_warning(last, changes, start), file=sys.stderr, flush=True)
+        say(resume_check.changed_settings_warning(last, changes, start))
     return start, last
 
 
@@ -184,9 +184,9 @@ def _open_log(t: _Trainer, start: int, last, moved_to) -> MetricsWriter:
     if moved_to is not None:
         resumed += f"; the earlier run in {cfg.run.run_dir} was moved to {moved_to}"
     cp_ep = (f" x cp {p.cp}" if p.cp > 1 else "") + (f" (ep {p.ep})" if p.ep > 1 else "")
-    print(f"[{cfg.label}] world {env.world_size} = tp {p.tp} x pp {p.pp} x dp {t.dp}{cp_ep} on {env.backend}; "
-          f"{cfg.run.steps} steps, sampler lags {cfg.rollout.staleness} versions in "
-          f"{cfg.rollout.precision}{resumed}", flush=True)
+    say(f"[{cfg.label}] world {env.world_size} = tp {p.tp} x pp {p.pp} x dp {t.dp}{cp_ep} on {env.backend}; "
+        f"{cfg.run.steps} steps, sampler lags {cfg.rollout.staleness} versions in "
+        f"{cfg.rollout.precision}{resumed}", sys.stdout)
     return writer
 
 
@@ -265,10 +265,7 @@ def _stop(t: _Trainer, error: Exception) -> None:
     """Collective: rank 0 closes the log and prints `error`'s one line; then every rank raises it."""
     if t.writer is not None:
         t.writer.close()
-        try:
-            print(str(error), file=sys.stderr, flush=True)
-        except OSError:  # the terminal went away (EIO) before SIGHUP moved fd 2: stop all the same
-            pass
+        say(str(error))
     if isinstance(error, NonFiniteStop):
         dist.barrier()  # the other ranks exit only after rank 0 has said why
     raise error
@@ -282,5 +279,5 @@ def _finish(cfg: ExperimentConfig, run_dir, seconds: float) -> None:
     summary["train_seconds"] = seconds
     (run_dir / "summary.json").write_text(json.dumps(finite_record(summary), indent=1, allow_nan=False) + "\n")
     png = plot_runs([run_dir], run_dir / "metrics.png")
-    print(f"[{cfg.label}] done in {seconds:.0f}s: reward {summary['reward_first']:.3f} -> "
-          f"{summary['reward_last']:.3f}; wrote {run_dir}/metrics.jsonl" + (f", {png}" if png else ""), flush=True)
+    say(f"[{cfg.label}] done in {seconds:.0f}s: reward {summary['reward_first']:.3f} -> "
+        f"{summary['reward_last']:.3f}; wrote {run_dir}/metrics.jsonl" + (f", {png}" if png else ""), sys.stdout)

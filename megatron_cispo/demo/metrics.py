@@ -83,8 +83,17 @@ def _parse(path: Path) -> tuple[list[dict], list[int], int]:
     return recs, bad, len(lines)
 
 
+def say(line: str, stream=None) -> None:
+    """Print one console line (stderr by default). A terminal that went away (EIO after a hang-up,
+    before SIGHUP's handler moved the output to run_dir/console.log) loses the line, never the run."""
+    try:
+        print(line, file=sys.stderr if stream is None else stream, flush=True)
+    except OSError:
+        pass
+
+
 def _warn(text: str) -> None:
-    print(f"warning: {text}", file=sys.stderr, flush=True)
+    say(f"warning: {text}")
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
@@ -155,10 +164,7 @@ class MetricsWriter:
                      f"ratio [{record.get('ratio_min', nan):.3f}, {record.get('ratio_max', nan):.3f}]",
                      *active_parts(record), f"lag {record['policy_version_lag']}", f"{per_step:.2f} s/step",
                      f"ETA {_duration(per_step * (self.total - step))}"]
-            try:
-                print(" | ".join(parts), file=self.stream, flush=True)
-            except OSError:  # the terminal went away (EIO): a lost progress line must not stop the run
-                pass
+            say(" | ".join(parts), self.stream)
 
     def _check_drops(self, record: dict) -> None:
         """Warn once (stderr) when the corrections drop >= DROP_ALL_FRAC of the trained tokens on

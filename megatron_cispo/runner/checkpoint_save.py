@@ -66,15 +66,23 @@ def _part(parts, run_dir, step: int, *, on_every_rank: bool = False) -> None:
     if rank == 0:
         where, error = failed
         tmp = files_.tmp_dir(run_dir, step)
-        written = files_.tree_bytes(tmp)
+        written, free = _mib(lambda: files_.tree_bytes(tmp)), _mib(lambda: shutil.disk_usage(files_.root(run_dir)).free)
         shutil.rmtree(tmp, ignore_errors=True)
-        free = shutil.disk_usage(files_.root(run_dir)).free if files_.root(run_dir).is_dir() else 0
         on = f" (rank {where})" if where else ""
-        box[0] = (f"checkpoint of step {step} not written: {error}{on}; {tmp} ({written / 2**20:.1f} MiB written) "
-                  f"was removed, {free / 2**20:.1f} MiB are free in {files_.root(run_dir)}; the earlier checkpoints "
+        box[0] = (f"checkpoint of step {step} not written: {error}{on}; {tmp} ({written} MiB written) "
+                  f"was removed, {free} MiB are free in {files_.root(run_dir)}; the earlier checkpoints "
                   "are untouched. Free space (or set run.checkpoint_keep lower) and resume with run.resume=true")
     dist.broadcast_object_list(box, src=0)
     raise SaveFailed(box[0])
+
+
+def _mib(size) -> str:
+    """`size()` bytes in MiB, or "?" when the filesystem cannot say (a lost mount): the failure must
+    still reach the broadcast that the other ranks wait in."""
+    try:
+        return f"{size() / 2**20:.1f}"
+    except OSError:
+        return "?"
 
 
 def _sync_save_strategy():

@@ -14,8 +14,10 @@ without a checkpoint (the last one written stays): a second SIGINT, or after a S
 torchrun sends when it is interrupted again. Under torchrun a worker also gets SIGINT when torchrun
 itself exits (PR_SET_PDEATHSIG), so no worker lives on without its launcher.
 
-A signal whose disposition is SIG_IGN when install() runs stays ignored: `nohup` sets SIGHUP so,
-and such a run keeps going after logout. On SIGHUP the terminal is gone and writing to it fails
+A SIGHUP that is ignored (SIG_IGN) when install() runs stays ignored: `nohup` sets it so, and such
+a run keeps going after logout (under the launch scripts too: launch/run_torchrun.py keeps a nohup'ed
+agent from handling SIGHUP, so its workers inherit the SIG_IGN). SIGTERM and SIGINT are always
+caught: a shell starts a background job (`cmd &`) with SIGINT ignored. On SIGHUP the terminal is gone and writing to it fails
 (EIO), so the handler points those of file descriptors 1 and 2 that are terminals at `console_log`
 (appended; /dev/null when it cannot be opened) before it says anything: the rest of the run's
 console output is kept there. Output to files or pipes stays where it goes.
@@ -113,14 +115,14 @@ def _die_with_parent() -> None:
 
 def install(console_log: str | os.PathLike | None = None) -> None:
     """Catch SIGTERM, SIGINT and SIGHUP (main thread only; elsewhere signals cannot be caught and
-    nothing changes), except one that is ignored (SIG_IGN, as `nohup` sets SIGHUP). After SIGHUP the
-    output to a terminal goes to `console_log` (appended), else to /dev/null."""
+    nothing changes), except SIGHUP when it is ignored (SIG_IGN, as `nohup` sets it).
+    After SIGHUP the output to a terminal goes to `console_log` (appended), else to /dev/null."""
     global _received, _console_log
     _received = 0
     _console_log = None if console_log is None else os.fspath(console_log)
     if threading.current_thread() is threading.main_thread():
         for sig in SIGNALS:
-            if signal.getsignal(sig) is not signal.SIG_IGN:
+            if not (sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN):  # nohup's choice
                 _previous[sig] = signal.signal(sig, _handler)
         _die_with_parent()
 

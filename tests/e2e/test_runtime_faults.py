@@ -226,3 +226,28 @@ def test_sighup_from_a_dropped_terminal_checkpoints_exits_5_and_keeps_the_output
     text = (run_dir / "console.log").read_text()
     assert text.startswith("SIGHUP: finishing this step") and "Traceback" not in text, text
     assert f"stopped by SIGHUP after step {stop}: checkpoint written to {ckpt}" in text, text
+
+
+def test_a_nohup_launch_script_trains_on_through_a_hang_up(tmp_path):
+    # nohup: SIGHUP ignored from the start. torchrun's agent would catch and forward it to the ranks
+    # (which then checkpoint and stop); launch/run_torchrun.py keeps the agent from handling it.
+    run_dir, log = tmp_path / "run", tmp_path / "launch.txt"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(["bash", "launch/single_node.sh", *_args(run_dir, "run.steps=8")], cwd=ROOT,
+                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),
+                                env={**env(), "NGPU": "0", "NPROC": "2", "MASTER_PORT": str(free_port())})
+    try:
+        deadline = time.monotonic() + 150
+        while not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "metrics.jsonl").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGHUP)  # the hang-up a logout sends to the job
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log.read_text()
+    assert proc.returncode == 0 and "stopped by" not in text, text[-3000:]
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, 9))

@@ -66,7 +66,8 @@ def test_only_rank_0_says_anything(capfd, monkeypatch):
     assert capfd.readouterr().err == ""
 
 
-def test_an_ignored_signal_stays_ignored_so_a_nohup_run_survives_logout():
+def test_an_ignored_sighup_stays_ignored_so_a_nohup_run_survives_logout(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # what `nohup` does
     try:
         preempt.install()
@@ -82,13 +83,34 @@ def test_an_ignored_signal_stays_ignored_so_a_nohup_run_survives_logout():
         signal.signal(signal.SIGHUP, previous)
 
 
+def test_sigint_and_sigterm_are_caught_even_when_started_ignored(monkeypatch):
+    # a shell starts a background job (`cmd &`) with SIGINT ignored: it must still finish the step and
+    # checkpoint (and PR_SET_PDEATHSIG's SIGINT must still reach it when torchrun dies)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in sigs}
+    try:
+        for sig in sigs:
+            preempt.install()
+            try:
+                assert signal.getsignal(sig) is preempt._handler
+                os.kill(os.getpid(), sig)
+                assert preempt.requested()
+            finally:
+                preempt.uninstall()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 HUNG_UP = """
 import os, sys, time
 from megatron_cispo.runner import preempt
 preempt.install(console_log=sys.argv[1])
 print("started", flush=True)
-while not preempt.requested():  # a progress line per step, as the demo prints
-    print("step", flush=True)
+from megatron_cispo.demo.metrics import say
+while not preempt.requested():  # a progress line per step, as the demo prints it (a lost line is no error)
+    say("step", sys.stdout)
     time.sleep(0.01)
 print("step finished after the signal", flush=True)
 print("stopped: checkpoint written", file=sys.stderr, flush=True)
