@@ -157,6 +157,24 @@ def test_ctrl_c_and_sighup_finish_the_step_write_a_checkpoint_and_resume_runs_to
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, 41))
 
 
+def _launch_script(run_dir, log, overrides, *, extra_env=None, preexec_fn=None) -> subprocess.Popen:
+    """`bash launch/single_node.sh` on 2 CPU ranks in its own process group (a terminal's job), output to `log`."""
+    with open(log, "w") as f:
+        return subprocess.Popen(["bash", "launch/single_node.sh", *_args(run_dir, *overrides)], cwd=ROOT, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec_fn,
+                                env={**env(), "NGPU": "0", "NPROC": "2", "MASTER_PORT": str(free_port()),
+                                     **(extra_env or {})})
+
+
+def _wait_for_the_first_step(proc, run_dir, log) -> float:
+    """Wait until metrics.jsonl has a step (the job is training); returns the deadline used."""
+    deadline = time.monotonic() + 150
+    while not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "metrics.jsonl").read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.1)
+    return deadline
+
+
 def test_through_the_launch_script_ctrl_c_exits_5_and_a_second_one_130_with_the_ranks_lines_only(tmp_path):
     # launch/run_torchrun.py passes the ranks' reported exit codes on and leaves out torchrun's traceback.
     # The second Ctrl-C reaches the ranks as the SIGTERM torchrun sends when it is interrupted again, or as
@@ -168,16 +186,9 @@ def test_through_the_launch_script_ctrl_c_exits_5_and_a_second_one_130_with_the_
         pause = {preempt.TEST_PAUSE_ENV: "120"} if times == 2 else {}
         run_dir = tmp_path / f"ctrl_c_{times}"
         log = tmp_path / f"launch_{times}.txt"
-        with open(log, "w") as f:
-            proc = subprocess.Popen(["bash", "launch/single_node.sh", *_args(run_dir, "run.steps=100000")], cwd=ROOT,
-                                    stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env={**env(), "NGPU": "0", "NPROC": "2", "MASTER_PORT": str(free_port()),
-                                         **pause})
+        proc = _launch_script(run_dir, log, ["run.steps=100000"], extra_env=pause)
         try:
-            deadline = time.monotonic() + 150
-            while not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "metrics.jsonl").read_text():
-                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-                time.sleep(0.1)
+            deadline = _wait_for_the_first_step(proc, run_dir, log)
             os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: to the script's process group
             if times == 2:
                 while "finishing this step" not in log.read_text():  # the second after rank 0 got the first
@@ -232,16 +243,10 @@ def test_a_nohup_launch_script_trains_on_through_a_hang_up(tmp_path):
     # nohup: SIGHUP ignored from the start. torchrun's agent would catch and forward it to the ranks
     # (which then checkpoint and stop); launch/run_torchrun.py keeps the agent from handling it.
     run_dir, log = tmp_path / "run", tmp_path / "launch.txt"
-    with open(log, "w") as f:
-        proc = subprocess.Popen(["bash", "launch/single_node.sh", *_args(run_dir, "run.steps=8")], cwd=ROOT,
-                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN),
-                                env={**env(), "NGPU": "0", "NPROC": "2", "MASTER_PORT": str(free_port())})
+    proc = _launch_script(run_dir, log, ["run.steps=8"],
+                          preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))  # what nohup does
     try:
-        deadline = time.monotonic() + 150
-        while not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "metrics.jsonl").read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.1)
+        _wait_for_the_first_step(proc, run_dir, log)
         os.killpg(proc.pid, signal.SIGHUP)  # the hang-up a logout sends to the job
         proc.wait(timeout=120)
     finally:
