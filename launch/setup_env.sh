@@ -1,23 +1,39 @@
 #!/usr/bin/env bash
-# Create ./.venv (once) and install megatron_cispo into it.
-#   bash launch/setup_env.sh          # CPU: installs the torch==2.13.0 CPU wheel first
+# Create a virtual environment (once) and install megatron_cispo into it.
+#   bash launch/setup_env.sh                      # ./.venv: torch 2.13.0 (CPU wheel), megatron-core 0.16.1
+#   MCORE=0.19.2 bash launch/setup_env.sh         # ./.venv-mcore-0.19.2: the second CI tier
 #   TORCH_SPEC="torch==2.6.0" bash launch/setup_env.sh   # pick another torch (e.g. a CUDA build)
-# Re-runs are cheap: the install is skipped while setup.py is unchanged.
+# Re-runs are cheap: the install is skipped while setup.py and MCORE are unchanged.
+# megatron-core >= 0.17 declares Python >= 3.12; its wheels are py3 and run on 3.11, so such an
+# MCORE is installed with --ignore-requires-python, after numpy is pinned (otherwise that flag lets
+# pip pick a numpy sdist that needs 3.12) and with triton (megatron-core >= 0.18 imports it bare;
+# CUDA torch brings it, the CPU wheel does not). torch stays pinned throughout.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${VENV:-.venv}
+MCORE=${MCORE:-}
+VENV=${VENV:-.venv${MCORE:+-mcore-$MCORE}}
 PY=${PYTHON:-python3}
+TORCH=${TORCH_SPEC:-torch==2.13.0}
 if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 stamp="$VENV/.megatron_cispo_installed"
-want="$(sha256sum setup.py | cut -c1-16)"
+want="$(sha256sum setup.py | cut -c1-16) mcore=${MCORE:-default}"
+pip() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@"; }
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null
+  pip --upgrade pip >/dev/null
   if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     # A bare `torch` requirement would pull a multi-GB CUDA build on a CPU box.
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check "${TORCH_SPEC:-torch==2.13.0}"
+    pip "$TORCH"
   fi
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e ".[test,plot]"
+  if [ -n "$MCORE" ]; then
+    torch_now="torch==$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
+    pip "$torch_now" "numpy==2.4.6"
+    pip --ignore-requires-python "$torch_now" "numpy==2.4.6" "megatron-core==$MCORE"
+    if ! "$VENV/bin/python" -c "import triton" 2>/dev/null; then
+      pip "$torch_now" "triton==3.6.0"
+    fi
+  fi
+  pip -e ".[test,plot]"
   echo "$want" > "$stamp"
 fi

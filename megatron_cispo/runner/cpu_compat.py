@@ -1,4 +1,4 @@
-"""The CPU compatibility layer: scoped patches that let megatron-core 0.16.1 run on CPU over gloo.
+"""The CPU compatibility layer: scoped patches that let megatron-core 0.16-0.19 run on CPU over gloo.
 
     with CpuCompat():        # entered by runner.distributed.init_distributed on a CPU-only host
         ...                  # GPTModel, DDP, the optimizer and the 1F1B schedule, on gloo
@@ -83,6 +83,20 @@ def _clip_grads_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
             g.detach().mul_(clip_coeff)
 
 
+class _NoStream:
+    """torch.cuda.current_stream() on a CPU host: work is already ordered, so waits are no-ops.
+    megatron-core 0.19's start_grad_sync waits on it every step (for CUDA-graph wgrad events)."""
+
+    def wait_event(self, event):
+        pass
+
+    def wait_stream(self, stream):
+        pass
+
+    def synchronize(self):
+        pass
+
+
 def _in_redirect_mode(apply):
     """Wrap BackwardCFunction.apply, which the autograd engine calls to run a custom Function's
     backward, so that the backward runs under the redirect mode: the engine runs backward with an
@@ -126,7 +140,7 @@ def _gather_uneven_on_gloo(gather_along_first_dim):
 
 
 class CpuCompat(contextlib.AbstractContextManager):
-    """Scoped patches that make megatron-core 0.16.1 run on CPU over gloo.
+    """Scoped patches that make megatron-core 0.16-0.19 run on CPU over gloo.
 
     Covers: `device="cuda"` factories (schedules' token counters, causal masks, grad-norm
     buffers), also inside custom autograd Functions' backward; `torch.cuda.current_device/
@@ -157,6 +171,7 @@ class CpuCompat(contextlib.AbstractContextManager):
 
         self._patch(torch.cuda, "current_device", lambda: 0)
         self._patch(torch.cuda, "synchronize", lambda *a, **k: None)
+        self._patch(torch.cuda, "current_stream", lambda *a, **k: _NoStream())
         self._patch(torch.cuda, "get_rng_state", lambda *a, **k: torch.get_rng_state())
         self._patch(torch.cuda, "set_rng_state", lambda s, *a, **k: torch.set_rng_state(s))
         self._patch(torch.cuda, "manual_seed", lambda seed: torch.manual_seed(seed))
