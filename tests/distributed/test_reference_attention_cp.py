@@ -5,6 +5,7 @@ Each rank's logits must equal the single-process logits of the tokens it holds, 
 gradients summed over the CP group must equal the single-process gradients. The THD split is
 written out by hand here, and must agree with `thd_partitioned_indices` and megatron's own split.
 """
+import inspect
 import pytest
 import torch
 
@@ -49,7 +50,9 @@ def _inputs(fmt, cp, rank):
     weights = torch.randn(B, S, V, generator=g)
     batch = {"tokens": tokens, "position_ids": torch.arange(S).expand(B, S), "index": torch.arange(S).expand(B, S),
              "weights": weights}
-    batch = get_batch_on_this_cp_rank(batch)  # megatron's own split: chunks r and 2cp-1-r
+    # megatron's own split: chunks r and 2cp-1-r (0.18+ takes is_hybrid_cp, required)
+    hybrid = {"is_hybrid_cp": False} if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters else {}
+    batch = get_batch_on_this_cp_rank(batch, **hybrid)
     return batch["tokens"], batch["position_ids"], None, batch["index"], batch["weights"]
 
 
