@@ -6,6 +6,7 @@ gradients summed over the CP group must equal the single-process gradients. The 
 written out by hand here, and must agree with `thd_partitioned_indices` and megatron's own split.
 """
 import inspect
+
 import pytest
 import torch
 
