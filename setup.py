@@ -22,10 +22,10 @@ setup(
     description="CISPO policy loss plugin for Megatron-style RL training",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_cispo", "megatron_cispo.*"]),
-    package_data={"megatron_cispo": ["integrations/*.json"]},
+    package_data={"megatron_cispo": ["integrations/*.json", "megatron_core_names.txt"]},
     install_requires=[
         "torch>=2.4",
-        "megatron-core>=0.16.1",
+        "megatron-core>=0.16.1,<0.20.0",  # megatron_cispo/mcore.py: SUPPORTED; CI runs 0.16.1 and 0.19.2
         "pyyaml>=6",
         "numpy",
     ],

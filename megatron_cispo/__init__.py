@@ -27,12 +27,15 @@ The public names, all importable from `megatron_cispo` (docs/architecture.md has
     reduce_metrics          step/       exact Metrics reduction over a process group
 
 Names load on first use, so `import megatron_cispo` pulls no megatron-core and never touches
-torch.cuda. Distributed init and the CPU compatibility layer are ours (megatron_cispo.runner),
+torch.cuda; it warns once if the installed megatron-core is outside the supported range (mcore.py). Distributed init and the CPU compatibility layer are ours (megatron_cispo.runner),
 never the library's.
 """
 import importlib
 
+from .mcore import warn_if_untested
+
 __version__ = "0.1.0"
+warn_if_untested()  # reads megatron/core/package_info.py as text: imports no megatron-core
 
 _EXPORTS = {
     "LossConfig": "megatron_cispo.config",

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .consistency import check_same_config
+from ..mcore import require_names
 from .cpu_compat import CpuCompat, import_megatron_core
 from .peers import health_group
 
@@ -57,6 +58,7 @@ def init_distributed(
     ConfigError before megatron's groups exist (one all-reduce; see consistency.py)."""
     global _ENV
     import_megatron_core()  # a process's first megatron import: on CPU without compiling (~2 s per rank)
+    require_names("all")  # one line naming what this megatron-core lacks, before any rank builds
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 

@@ -34,8 +34,13 @@ def set_megatron_hooks(chunks, optimizer=None) -> None:
 
 def check_megatron_config(chunks) -> None:
     """Fail when the model/DDP config breaks the per-token loss contract this plugin relies on,
-    or when a training-loop hook that megatron's schedules need is missing (ValueError)."""
+    or when a training-loop hook that megatron's schedules need is missing (ValueError), or when
+    the installed megatron-core lacks a name the library uses (one ImportError line)."""
     from megatron.core.utils import get_model_config
+
+    from ..mcore import require_names
+
+    require_names("library")
 
     cfg = get_model_config(chunks[0])
     if not getattr(cfg, "calculate_per_token_loss", False):

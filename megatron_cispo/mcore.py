@@ -1,0 +1,110 @@
+"""Which megatron-core this package supports, and the megatron-core names it uses.
+
+    installed_version()     # (0, 19, 2), read from megatron/core/package_info.py, nothing imported
+    warn_if_untested()      # once, at `import megatron_cispo`: a version outside SUPPORTED
+    require_names("library")  # one ImportError line naming what this megatron-core lacks
+
+Every `from megatron.core... import` in the package, and every attribute read through such an
+import, is listed in megatron_core_names.txt; tests/unit/test_megatron_core_names.py keeps the
+list equal to the source and imports each name on every CI tier, so a release that drops one is
+one failing test here, and one line in a user's job (require_names), not a traceback mid-step.
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import warnings
+from functools import lru_cache
+from pathlib import Path
+
+# The range setup.py declares: the releases CI runs (0.16.1, 0.19.2) and those between them, whose
+# differences were read from their source (docs/launch.md, "megatron-core versions").
+SUPPORTED = ((0, 16, 1), (0, 20, 0))  # [low, high)
+TESTED = ("0.16.1", "0.19.2")
+NAMES_FILE = Path(__file__).with_name("megatron_core_names.txt")
+
+
+@lru_cache(maxsize=1)
+def installed_version() -> tuple[int, int, int] | None:
+    """megatron-core's (major, minor, patch), read from the package_info.py that `import megatron.core`
+    would load (a fork on PYTHONPATH shadows the wheel), without importing it; None if absent."""
+    try:
+        spec = importlib.util.find_spec("megatron")
+    except (ImportError, ValueError):
+        return None
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        info = Path(root) / "core" / "package_info.py"
+        if info.is_file():
+            values = {}
+            for node in ast.parse(info.read_text()).body:
+                if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
+                    values.update({t.id: node.value.value for t in node.targets if isinstance(t, ast.Name)})
+            try:
+                return int(values["MAJOR"]), int(values["MINOR"]), int(values["PATCH"])
+            except (KeyError, ValueError):
+                return None
+    return None
+
+
+def version_str(version=None) -> str:
+    version = version or installed_version()
+    return "none" if version is None else ".".join(map(str, version))
+
+
+def warn_if_untested() -> None:
+    """One warning when the installed megatron-core is outside SUPPORTED; never an error: a version
+    is refused only for a name it lacks (require_names)."""
+    version = installed_version()
+    if version is not None and not SUPPORTED[0] <= version < SUPPORTED[1]:
+        warnings.warn(f"megatron_cispo supports megatron-core >={version_str(SUPPORTED[0])},<"
+                      f"{version_str(SUPPORTED[1])} (tested: {', '.join(TESTED)}); found {version_str(version)}. "
+                      "Run the test suite (bash tests/run.sh) before training on it.", stacklevel=3)
+
+
+def names(scope: str = "all") -> list[tuple[str, bool]]:
+    """(dotted name, required) for each megatron-core name the package uses; scope "library" keeps
+    the names that the library modules use (not runner/, demo/, testing.py, train.py)."""
+    out = []
+    for line in NAMES_FILE.read_text().splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        name, kind, users = line.split(maxsplit=2)
+        if scope == "library" and kind.endswith("runner"):
+            continue
+        out.append((name, not kind.startswith("optional")))
+    return out
+
+
+def resolve(dotted: str):
+    """Import `a.b.c.name` as a module, or as an attribute of the longest importable prefix."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 1, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(dotted)
+
+
+def missing_names(scope: str = "all") -> list[str]:
+    missing = []
+    for name, required in names(scope):
+        if required:
+            try:
+                resolve(name)
+            except (ImportError, AttributeError):
+                missing.append(name)
+    return missing
+
+
+@lru_cache(maxsize=2)
+def require_names(scope: str = "library") -> None:
+    """Raise one ImportError line naming every required megatron-core name that is missing."""
+    missing = missing_names(scope)
+    if missing:
+        raise ImportError(f"megatron-core {version_str()} lacks {', '.join(missing)}, which megatron_cispo uses "
+                          f"(tested: {', '.join(TESTED)}); install megatron-core=={TESTED[-1]}")
