@@ -6,10 +6,12 @@
 
 A checkpoint is run_dir/checkpoints/step_<step>/: the model chunks' and the optimizer's sharded
 state dicts and every rank's RNG states in dist_checkpointing's torch_dist format (`__<rank>_0.distcp`,
-`.metadata`, `common.pt`, `metadata.json`), `<name>.pt` for each object in `shared` (rank 0; objects
-with state_dict()/load_state_dict() that are the same on every rank, like the demo's sampler), the
+`.metadata`, `metadata.json`, and `common.pt` from megatron-core 0.16-0.18; 0.19+ keeps that common
+state in the shards), `<name>.pt` for each object in `shared` (rank 0; objects with
+state_dict()/load_state_dict() that are the same on every rank, like the demo's sampler), the
 experiment's config.yaml when save() is given it, and a COMPLETE marker (JSON: step, layout, shared
-names). The optimizer's state (moments, steps) is loaded; its settings stay those it was built with.
+names, the megatron-core version that wrote it). Either layout loads with megatron-core 0.16 and 0.19
+(`_common_strategy`); 0.17-0.18 refuse a 0.19+ checkpoint in one line naming both versions. The optimizer's state (moments, steps) is loaded; its settings stay those it was built with.
 It is written under .step_<step>.tmp/, every file and the directory fsynced, COMPLETE last, then
 renamed into place (checkpoint_save.py: a failure on any rank stops every rank alike); files_
 (checkpoint_files.py) names, verifies and prunes them. Tensors are resharded on load, so the model and optimizer resume on any
@@ -148,7 +150,7 @@ def save(run_dir, step: int, *, chunks, optimizer, shared: dict, keep: int, conf
     if config:
         extra[files_.CONFIG] = lambda f: f.write(config.encode())
     marker = {"step": step, "format": files_.FORMAT, "layout": _layout(), "optimizers": _optimizer_count(optimizer),
-              "shared": sorted(shared)}
+              "shared": sorted(shared), "megatron_core": files_.megatron_core_version()}
     return checkpoint_save.write(run_dir, step, _sharded_state_dict(chunks, optimizer, loading=False, with_rng=True),
                                  extra=extra, marker=marker, keep=keep)
 
@@ -182,9 +184,36 @@ def resume_point(run_dir: str | os.PathLike) -> Path | None:
     return None if decision[0] is None else Path(decision[0])
 
 
-def _load_error(path: Path, e: BaseException) -> str:
+def _written_by(info: dict) -> str:
+    """Which megatron-core wrote a checkpoint, from its marker (not recorded before 0.19 was supported)."""
+    return f"megatron-core {info['megatron_core']}" if "megatron_core" in info else "an unrecorded megatron-core"
+
+
+def _common_strategy(path: Path, info: dict):
+    """What dist_checkpointing.load needs as common_strategy to read `path`'s common state: None (its
+    own) for common.pt, which every version reads, or wherever megatron-core reads the 0.19+ layout
+    itself. megatron-core 0.16 reads only common.pt, but takes a common strategy: one that reads the
+    shards' copy. 0.17-0.18 take none, so a 0.19+ checkpoint is refused there in one line."""
+    if (path / files_.COMMON).is_file() or not files_.writes_common_pt():
+        return None
+    try:  # 0.16 only: removed in 0.17 with load()'s support for common strategies
+        from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+    except ImportError:
+        raise ConfigError(f"run.resume: {path} was written by {_written_by(info)}, which keeps the common "
+                          f"state in the shards (no {files_.COMMON}); megatron-core {files_.megatron_core_version()} "
+                          "reads only common.pt. Resume with megatron-core 0.16 or >= 0.19") from None
+
+    class ShardsCommonLoad(TorchCommonLoadStrategy):
+        def load_common(self, checkpoint_dir):
+            return files_.read_common_state(Path(checkpoint_dir))
+
+    return ShardsCommonLoad()
+
+
+def _load_error(path: Path, info: dict, e: BaseException) -> str:
     """One line for a failed load; "saved by another model or optimizer" only where the checkpoint's
-    tensors or keys do not fit this model (a read error or a bug is said as what it is)."""
+    tensors or keys do not fit this model (a read error or a bug is said as what it is), with the
+    megatron-core versions when another one wrote it."""
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
     cause = files_.root_cause(e)
@@ -193,6 +222,8 @@ def _load_error(path: Path, e: BaseException) -> str:
             or "shape mismatch" in str(cause).lower():
         settings = f" (its settings: {path / files_.CONFIG})" if (path / files_.CONFIG).is_file() else ""
         text += f"; it was saved by another model or optimizer{settings}"
+    if info.get("megatron_core") != files_.megatron_core_version():
+        text += f"; it was written by {_written_by(info)}, this is megatron-core {files_.megatron_core_version()}"
     return text
 
 
@@ -219,20 +250,25 @@ def load(path: Path, *, chunks, optimizer, shared: dict) -> int:
     if missing:
         raise ConfigError(f"run.resume: {path} has no {', '.join(missing)} state (it has {info.get('shared')})")
     _check_optimizer_count(path, info, optimizer)
+    common = _common_strategy(path, info)
     same_layout = {k: info.get("layout", {}).get(k) for k in _layout()} == _layout()
     if not same_layout and _rank() == 0:
         print(f"note: {path} was saved at {_describe(info.get('layout', {}))}; the model and optimizer are "
               f"resharded to {_describe(_layout())}, RNG states stay as seeded by run.seed", flush=True)
+    if info.get("megatron_core") != files_.megatron_core_version() and _rank() == 0:
+        print(f"note: {path} was written by {_written_by(info)}; loading it with megatron-core "
+              f"{files_.megatron_core_version()}", flush=True)
     state, error, cause = None, None, None
     try:
+        kwargs = {} if common is None else {"common_strategy": common}
         state = dist_checkpointing.load(_sharded_state_dict(chunks, optimizer, loading=True, with_rng=same_layout),
-                                        str(path))
+                                        str(path), **kwargs)
         models = unwrap_model(list(chunks))
         for i, m in enumerate(models):
             m.load_state_dict(state["model" if len(models) == 1 else f"model{i}"])
         load_optimizer_state(optimizer, state["optimizer"])
     except checkpoint_save.FAILURES as e:  # noqa: B014 - CheckpointException is a BaseException
-        error, cause = _load_error(path, e), e
+        error, cause = _load_error(path, info, e), e
     _raise_agreed(error, cause)  # the per-rank loads above fail on some ranks only: all must stop
     if same_layout:
         _set_rng_state(state["rng_state"])

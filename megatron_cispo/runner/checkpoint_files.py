@@ -5,9 +5,15 @@
 
 A name is `step_<int>`; checkpoints sort by that int, never by the string. `verify` is the cheap
 check `checkpoint.resume_point` runs on rank 0 before it trusts a checkpoint. No collectives here.
+
+Where the common (non-tensor) state lives depends on the megatron-core that wrote it: 0.16-0.18 in
+rank 0's common.pt, 0.19+ in the shards as the object "common_state" (`writes_common_pt` tells which
+the installed one writes); `verify` and `read_common_state` accept both.
 """
 from __future__ import annotations
 
+import inspect
+import io
 import json
 import os
 import re
@@ -20,6 +26,8 @@ import torch
 MARKER = "COMPLETE"
 CONFIG = "config.yaml"  # the resolved experiment config that trained up to this checkpoint
 FORMAT = "megatron.core.dist_checkpointing/torch_dist"
+COMMON = "common.pt"  # megatron-core 0.16-0.18: the common state, torch.save'd by rank 0
+COMMON_STATE = "common_state"  # 0.19+: the same state, a ShardedObject written with the shards
 _NAME = re.compile(r"step_(\d+)")
 _LEFTOVER = re.compile(r"\.step_(\d+)\.(tmp|old)")  # a save that crashed
 
@@ -99,6 +107,45 @@ def read_marker(directory: Path) -> dict:
     return info
 
 
+def megatron_core_version() -> str:
+    """The installed megatron-core's version, "0.19.2" (its __version__ may end in a git hash)."""
+    from megatron.core import package_info
+
+    return package_info.__shortversion__
+
+
+def writes_common_pt() -> bool:
+    """Whether the installed megatron-core keeps a checkpoint's common state in common.pt (0.16-0.18)
+    rather than in the shards (0.19+). Probed by the change that came with it: 0.19's
+    dist_checkpointing.save lost its common_strategy parameter along with common.pt."""
+    from megatron.core import dist_checkpointing
+
+    return "common_strategy" in inspect.signature(dist_checkpointing.save).parameters
+
+
+def common_state_object(data=None, replica_id: int = 0):
+    """The ShardedObject that holds the common state in a 0.19+ checkpoint, as 0.19's
+    dist_checkpointing.save makes it (one global copy, written by the rank whose replica_id is 0)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject(COMMON_STATE, data, (1,), (0,), replica_id=replica_id)
+
+
+def read_common_state(directory: Path) -> dict:
+    """The common state of a checkpoint whose shards hold it (written by megatron-core 0.19+); works
+    with any megatron-core, in one process (no collectives). KeyError when the shards have none."""
+    from torch.distributed import checkpoint as dcp
+
+    key = common_state_object().unique_key
+    state = {key: io.BytesIO()}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
+    data = state[key]
+    if isinstance(data, io.BytesIO):  # torch's default load planner unpickles it; another may not
+        data.seek(0)
+        data = torch.load(data, map_location="cpu", weights_only=False)
+    return data[0]  # the shard's list of objects: one
+
+
 def root_cause(e: BaseException) -> BaseException:
     """The lowest rank's own error inside torch.distributed.checkpoint's CheckpointException (which
     gathers every rank's and derives from BaseException), else `e`."""
@@ -124,8 +171,9 @@ def verify(directory: Path) -> str | None:
     """None if `directory` looks intact, else one line: the file and what is wrong with it.
 
     Cheap: the marker and dist_checkpointing's metadata are parsed, every shard file the metadata
-    names must exist and be at least as long as the data it records there, and the torch files
-    (common.pt and each shared object) are unpickled with their tensors memory-mapped, not read.
+    names must exist and be at least as long as the data it records there, the common state is
+    unpickled (common.pt with its tensors memory-mapped, or the shards' common_state; either layout,
+    whichever megatron-core is installed) and so is each shared object.
     Bytes flipped inside a shard's tensor data are not detected (the format has no checksums).
     """
     from megatron.core.dist_checkpointing.core import maybe_load_config
@@ -151,7 +199,16 @@ def verify(directory: Path) -> str | None:
                 return f"{path}: missing"
             if path.stat().st_size < size:
                 return f"{path}: truncated ({path.stat().st_size} bytes, its data ends at byte {size})"
-        for name in ["common.pt", *(f"{n}.pt" for n in info.get("shared", []))]:
+        path, key = directory / COMMON, common_state_object().unique_key
+        if path.is_file():
+            torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        elif key in metadata.state_dict_metadata:  # written by megatron-core 0.19+: in the shards
+            path = directory / next(item.relative_path for index, item in metadata.storage_data.items()
+                                    if index.fqn == key)
+            read_common_state(directory)
+        else:
+            return f"{path}: missing, and {directory / '.metadata'} lists no {COMMON_STATE} object either"
+        for name in (f"{n}.pt" for n in info.get("shared", [])):
             path = directory / name
             torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except Exception as e:  # noqa: BLE001 - any failure to read makes the checkpoint unusable

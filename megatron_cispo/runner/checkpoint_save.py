@@ -3,13 +3,15 @@
     path = write(run_dir, step, sharded_state_dict, extra={"sampler.pt": fn}, marker=info, keep=2)  # collective
 
 The parts: rank 0 clears .step_<step>.tmp/; every rank writes its shards (torch.distributed.checkpoint,
-which gathers the ranks' errors itself); rank 0 writes its own files (dist_checkpointing's common.pt
-and metadata.json, the `extra` files, COMPLETE) and renames the directory into place. After each part
-every rank learns whether any rank failed (`first_failure`, one all_gather_object), so no rank is left
-alone in a collective; then rank 0 removes the temporary directory and every rank raises the same
-SaveFailed. Any exception counts: torch.save to a full disk raises RuntimeError, not OSError.
-This is megatron-core 0.16.1's dist_checkpointing.save (its synchronous path) taken apart for that;
-the files are the same. What fails after the rename (pruning) is a warning: the checkpoint is in place.
+which gathers the ranks' errors itself); rank 0 writes its own files (dist_checkpointing's metadata.json,
+common.pt with megatron-core 0.16-0.18, the `extra` files, COMPLETE) and renames the directory into
+place. After each part every rank learns whether any rank failed (`first_failure`, one
+all_gather_object), so no rank is left alone in a collective; then rank 0 removes the temporary
+directory and every rank raises the same SaveFailed. Any exception counts: torch.save to a full disk
+raises RuntimeError, not OSError. This is the installed megatron-core's dist_checkpointing.save (its
+synchronous path) taken apart for that; the files are those it writes (with 0.19+ the common state goes
+into the shards as "common_state", no common.pt). What fails after the rename (pruning) is a warning:
+the checkpoint is in place.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -85,27 +88,30 @@ def _mib(size) -> str:
         return "?"
 
 
-def _sync_save_strategy():
-    """dist_checkpointing's torch_dist format, written in this process by torch.distributed.checkpoint's
-    FileSystemWriter (fsyncs each file). megatron-core 0.16.1's default writer forks writer processes,
-    needs psutil, and waits forever when one of them fails; its output is the same format."""
-    from megatron.core.dist_checkpointing.strategies.base import SaveShardedStrategy
+def _write_shards(sharded: dict, directory: Path) -> None:
+    """Collective: every rank writes its part of `sharded` (dist_checkpointing's ShardedTensors and
+    ShardedObjects) in the torch_dist format, in this process, through torch.distributed.checkpoint's
+    FileSystemWriter (fsyncs each file; a failure on any rank is raised on every rank).
+
+    megatron-core's own TorchDistSaveShardedStrategy.save writes the same files but cannot be stopped
+    alike on every rank: 0.16 forks writer processes (needs psutil) and waits forever when one fails;
+    0.19 raises on rank 0 alone when .metadata cannot be written, while the others wait in a broadcast.
+    So its translation is called here, and that needs the one private megatron-core function this
+    package uses: _replace_state_dict_keys_with_sharded_keys (the same in 0.16-0.19) names each shard
+    by its global key and keeps the main replicas; nothing public does that."""
     from megatron.core.dist_checkpointing.strategies.torch import (
         MCoreSavePlanner, _replace_state_dict_keys_with_sharded_keys, mcore_to_pyt_state_dict)
     from torch.distributed import checkpoint as dcp
 
-    class SyncTorchDistSave(SaveShardedStrategy):
-        def can_handle_sharded_objects(self):
-            return True
+    flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded, keep_only_main_replica=True)
+    dcp.save(mcore_to_pyt_state_dict(flat, False),
+             storage_writer=dcp.FileSystemWriter(str(directory), sync_files=True),
+             planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False))
 
-        def save(self, sharded_state_dict, checkpoint_dir):
-            # the same translation as megatron's TorchDistSaveShardedStrategy.async_save
-            flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, keep_only_main_replica=True)
-            dcp.save(mcore_to_pyt_state_dict(flat, False),
-                     storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), sync_files=True),
-                     planner=MCoreSavePlanner(dedup_replicated_tensors=False, flatten_state_dict=False))
 
-    return SyncTorchDistSave("torch_dist", 1)
+def write_common_pt(common: dict, directory: Path) -> None:
+    """Rank 0: megatron-core 0.16-0.18's common.pt (what their save_common writes), fsynced."""
+    files_.write_durable(directory / files_.COMMON, lambda f: torch.save(common, f))
 
 
 def write(run_dir, step: int, sharded_state_dict: dict, *, extra: dict, marker: dict, keep: int) -> Path:
@@ -113,7 +119,6 @@ def write(run_dir, step: int, sharded_state_dict: dict, *, extra: dict, marker: 
     on rank 0, COMPLETE holding `marker`), rename it into place, prune to `keep`; returns its path.
     SaveFailed, alike on every rank, when any part fails on any rank."""
     from megatron.core.dist_checkpointing import core as dist_core
-    from megatron.core.dist_checkpointing.serialization import get_default_save_common_strategy
     from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 
     final, tmp = files_.step_dir(run_dir, step), files_.tmp_dir(run_dir, step)
@@ -133,15 +138,17 @@ def write(run_dir, step: int, sharded_state_dict: dict, *, extra: dict, marker: 
 
     _part([(tmp, start)], run_dir, step)
     sharded, common = save_preprocess(sharded_state_dict, validate_access_integrity=True)  # collective checks
-    strategy = _sync_save_strategy()
-    _part([(None, lambda: strategy.save(sharded, tmp))], run_dir, step, on_every_rank=True)
-    config = dist_core.CheckpointingConfig(strategy.backend, strategy.version)
-    own = [(tmp / "common.pt", lambda: get_default_save_common_strategy().save_common(common, tmp)),
-           (tmp / "metadata.json", lambda: dist_core.save_config(config, str(tmp)))]
+    own = []
+    if files_.writes_common_pt():
+        own.append((tmp / files_.COMMON, lambda: write_common_pt(common, tmp)))
+    else:  # megatron-core 0.19+: one copy, from rank 0, with the shards
+        sharded[files_.COMMON_STATE] = files_.common_state_object(common, replica_id=dist.get_rank())
+    _part([(None, lambda: _write_shards(sharded, tmp))], run_dir, step, on_every_rank=True)
+    metadata = tmp / "metadata.json"  # the format's name; shards and common.pt are fsynced by their writers
+    own += [(metadata, lambda: dist_core.save_config(dist_core.CheckpointingConfig("torch_dist", 1), str(tmp))),
+            (metadata, lambda: files_.fsync_path(metadata))]
     own += [(tmp / name, lambda p=tmp / name, fn=fn: files_.write_durable(p, fn)) for name, fn in extra.items()]
-    own += [(tmp / "common.pt", lambda: files_.fsync_path(tmp / "common.pt")),  # shards: fsynced by their writers
-            (tmp / "metadata.json", lambda: files_.fsync_path(tmp / "metadata.json")),
-            (tmp / files_.MARKER, lambda: files_.write_marker(tmp, marker)), (final, rename)]
+    own += [(tmp / files_.MARKER, lambda: files_.write_marker(tmp, marker)), (final, rename)]
     _part(own, run_dir, step)
     if dist.get_rank() == 0:
         _tidy(run_dir, final, keep)

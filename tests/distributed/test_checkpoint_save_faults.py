@@ -1,6 +1,7 @@
-"""checkpoint.save on 2 gloo ranks with a failure injected into rank 0's own writes (the disk filling up
-under common.pt, metadata.json or sampler.pt): every rank raises the same SaveFailed, in one line naming
-the file, and the temporary directory is gone; nobody waits in a collective alone. A failure while
+"""checkpoint.save on 2 gloo ranks with a failure injected into rank 0's writes (the disk filling up
+under its shard, common.pt (megatron-core 0.16-0.18; 0.19+ has none), metadata.json or sampler.pt):
+every rank raises the same SaveFailed, in one line naming the file, and the temporary directory is
+gone; nobody waits in a collective alone. A failure while
 pruning, after the checkpoint is in place, is a warning. No root needed: the errors are injected (a
 real full disk is tests/e2e/test_checkpoint_faults.py, which needs a tmpfs mount). checkpoint.load that
 fails on one rank only stops every rank with that rank's line."""
@@ -15,28 +16,38 @@ TINY = ["rollout.prompts_per_step=8", "rollout.group_size=4", "parallelism.micro
         "rollout.precision=fp32", "run.tensorboard=false", "parallelism.tp=1"]
 ENOSPC = OSError(errno.ENOSPC, "No space left on device")
 TORN = RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 64 vs 0")  # torch.save, disk full
-# (case, what raises on rank 0, the error, the file named)
-CASES = [("common_oserror", "common", ENOSPC, "common.pt"), ("common_runtime", "common", TORN, "common.pt"),
-         ("metadata_oserror", "metadata", ENOSPC, "metadata.json"),
+# (case, what raises on rank 0, the error, the file named): its shard (which holds the common state
+# with megatron-core 0.19+; torch.distributed.checkpoint names no file), its own files
+CASES = [("shard_oserror", "shard", ENOSPC, ""), ("metadata_oserror", "metadata", ENOSPC, "metadata.json"),
          ("sampler_runtime", "durable", TORN, "sampler.pt")]
+COMMON_PT_CASES = [("common_oserror", "common", ENOSPC, "common.pt"), ("common_runtime", "common", TORN, "common.pt")]
+
+
+def _cases():
+    from megatron_cispo.runner import checkpoint_files
+
+    return COMMON_PT_CASES + CASES if checkpoint_files.writes_common_pt() else CASES
 
 
 def _inject(where, error):
     """Make rank 0's `where` write raise `error`; returns the undo."""
     from megatron.core.dist_checkpointing import core
-    from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
+    from torch.distributed.checkpoint import FileSystemWriter
 
-    from megatron_cispo.runner import checkpoint_files
+    from megatron_cispo.runner import checkpoint_files, checkpoint_save
 
-    owner, name = {"common": (TorchCommonSaveStrategy, "save_common"), "metadata": (core, "save_config"),
-                   "durable": (checkpoint_files, "write_durable"), "prune": (checkpoint_files, "prune")}[where]
-    original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+    owner, name = {"shard": (FileSystemWriter, "write_data"), "common": (checkpoint_save, "write_common_pt"),
+                   "metadata": (core, "save_config"), "durable": (checkpoint_files, "write_durable"),
+                   "prune": (checkpoint_files, "prune")}[where]
+    original = owner.__dict__.get(name)  # a class may inherit it (FileSystemWriter.write_data)
 
     def fail(*args, **kwargs):
+        if where == "durable" and Path(args[0]).name != "sampler.pt":  # common.pt is written through it too
+            return original(*args, **kwargs)
         raise error
 
     setattr(owner, name, fail)
-    return lambda: setattr(owner, name, original)
+    return lambda: setattr(owner, name, original) if original is not None else delattr(owner, name)
 
 
 def save_worker(run_dir, cases):
@@ -70,7 +81,7 @@ def save_worker(run_dir, cases):
 
 
 def test_a_failed_write_of_rank_0s_own_files_stops_every_rank_alike_and_a_failed_prune_only_warns(tmp_path):
-    cases = [*CASES, ("prune_oserror", "prune", ENOSPC, "")]
+    cases = [*_cases(), ("prune_oserror", "prune", ENOSPC, "")]
     ranks = spawn(save_worker, 2, (tmp_path / "run", cases), timeout_s=240)
     for (case, where, error, name), *per_rank in zip(cases, *ranks):
         said = {r[1:3] for r in per_rank}
@@ -83,6 +94,7 @@ def test_a_failed_write_of_rank_0s_own_files_stops_every_rank_alike_and_a_failed
         assert kind == "failed" and not tmp_left and not complete, (case, per_rank)
         assert "\n" not in text and text.startswith(f"checkpoint of step "), text
         assert name in text and type(error).__name__ in text and "MiB are free" in text, (case, text)
+        assert str(error) in text and "(rank" not in text, (case, text)  # rank 0's own error, said as such
 
 
 LOAD_CASES = [("none", None, None), ("rank1_runtime", 1, RuntimeError("boom in load_state_dict")),
