@@ -101,10 +101,14 @@ def missing_names(scope: str = "all") -> list[str]:
     return missing
 
 
+class MegatronCoreMissing(ImportError):
+    """The installed megatron-core lacks names this package needs (one line, naming them)."""
+
+
 @lru_cache(maxsize=2)
 def require_names(scope: str = "library") -> None:
-    """Raise one ImportError line naming every required megatron-core name that is missing."""
+    """Raise MegatronCoreMissing naming every required megatron-core name that is missing."""
     missing = missing_names(scope)
     if missing:
-        raise ImportError(f"megatron-core {version_str()} lacks {', '.join(missing)}, which megatron_cispo uses "
+        raise MegatronCoreMissing(f"megatron-core {version_str()} lacks {', '.join(missing)}, which megatron_cispo uses "
                           f"(tested: {', '.join(TESTED)}); install megatron-core=={TESTED[-1]}")

@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# ok: {world} processes = tp {p.tp} x pp {p.pp} x dp {dp}{extra}")
         return 0
     from .demo.loop import NonFiniteStop, run
+    from .mcore import MegatronCoreMissing
     from .runner.peers import PeerLost
     from .runner.checkpoint import SaveFailed
     from .runner.preempt import Preempted
@@ -104,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         run(cfg)
     except ConfigError as e:  # raised by every rank alike (runtime layout, checkpoint layout)
         return _report(args.config, e)
+    except MegatronCoreMissing as e:  # every rank alike, before any process group exists
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(e, file=sys.stderr, flush=True)
+        return EXIT_CONFIG
     except NonFiniteStop:  # raised by every rank alike, after rank 0 printed why (before its peers exit)
         return EXIT_NONFINITE
     except PeerLost:  # the rank that said which rank stopped answering has printed it
