@@ -1,22 +1,35 @@
-"""MoE: the z-loss (and aux-loss) scaling under TP x CP on megatron-core 0.16 (NVIDIA/Megatron-LM
-#1652), and the routers' metrics (RouterStats: moe/aux_loss, moe/z_loss, moe/expert_tokens_*).
+"""MoE: the router's z-loss and aux-loss gradient scale under TP x CP, per megatron-core release
+(NVIDIA/Megatron-LM #1652, PR #5047), and the routers' metrics (RouterStats: moe/aux_loss,
+moe/z_loss, moe/expert_tokens_*).
 
     with moe_aux_loss_compensation(model_config, padding_mask=True):   # around the schedule
         run_schedule(...)
 
-With calculate_per_token_loss=True, megatron-core 0.16.1 divides the z-loss coefficient by the
-TP x CP size (router.py:486) and scales it by the tokens this rank routed (router.py:497), so its
-summed gradient comes out divided by TP x CP. The aux loss is scaled by `local_num_tokens`:
-without a padding mask that is this rank's count (moe_utils.py:231), the same bug; with one it is
-the whole TP x CP group's valid count (moe_utils.py:223-228 all-reduce the counts in place),
-which is already right. policy_step always passes the router a padding mask, so only the z-loss
-needs the factor there. Upstream PR #5047 changes the scale; until the installed megatron-core has
-it, the coefficients are multiplied while the schedule runs (the router reads them at forward
-time), then restored. tests/distributed/test_moe_aux_loss.py pins both against one process.
+With calculate_per_token_loss=True every gradient is divided by the step's tokens, so TopKRouter
+multiplies the losses it attaches by a token count; under TP x CP (n ranks, a router copy each)
+that count must be the group's valid tokens for the summed router gradient to equal one process's.
+The factor each coefficient needs, read from router.py and moe_utils.py of each release:
+
+    megatron-core                 z-loss   aux, padding mask   aux, no padding mask
+    0.16.1, 0.17.1, 0.18.2        x n      x 1                 x n
+    0.19.0 to main d98e8a64dd     x 1      x 1/n               x 1
+
+Before PR #5047 the router divides the z-loss coefficient by n and multiplies by this rank's
+tokens, and multiplies the aux loss by its `local_num_tokens`: this rank's count without a
+padding mask, the group's with one (get_tokens_per_expert_and_token_count all-reduces the
+per-expert counts in place, so its "local" sum is the group's). PR #5047 (core_v0.19.0 only)
+multiplies both by n: right for the z-loss and an unmasked aux loss, n times too much for a
+masked one. policy_step always passes a padding mask. "aux" is 'aux_loss' (pinned by
+tests/distributed/test_moe_aux_loss.py: the router update equals one process's at tp2-sp, cp2
+and ep2 on 0.16.1 and 0.19.2, and was run once on 0.17.1 and 0.18.2) and 'seq_aux_loss' (the
+same count and scaling, read only); 'global_aux_loss' counts over DP too and is left alone.
+The coefficients are scaled while the schedule runs (the router reads them at forward time).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import warnings
 from typing import Iterator, Optional
 
@@ -26,9 +39,10 @@ from torch import Tensor
 
 from .reduce import all_reduce_in
 
-# First megatron-core release assumed to carry PR #5047 (merged 2026-05-28, after 0.16.1); not
-# verified here (0.16.1 is the newest release for Python 3.11), hence the warning on newer ones.
-FIXED_IN = (0, 17)
+# The newest release read: main d98e8a64dd (0.20.0 in development) reads as 0.19.0 too, but a
+# release after 0.19 may change what the probe below cannot see (e.g. the in-place count).
+NEWEST_READ = (0, 19)
+GROUP_COUNTED = ("aux_loss", "seq_aux_loss")  # aux-loss kinds whose token count spans TP x CP only
 
 
 def _megatron_version() -> tuple[int, int]:
@@ -37,37 +51,61 @@ def _megatron_version() -> tuple[int, int]:
     return int(package_info.MAJOR), int(package_info.MINOR)
 
 
-def aux_loss_scale(config) -> int:
-    """The factor the installed megatron-core leaves out of MoE z-loss gradients (and of aux-loss
-    gradients without a padding mask): the TP x CP size on 0.16 (measured on 0.16.1), else 1.
-    On newer releases the fix is assumed and a warning asks to confirm it with the test."""
-    size = config.tensor_model_parallel_size * config.context_parallel_size
-    if getattr(config, "num_moe_experts", None) is None or size == 1:
-        return 1
-    if _megatron_version() >= FIXED_IN:
-        warnings.warn(f"megatron-core {'.'.join(map(str, _megatron_version()))}: MoE z/aux-loss scaling under "
-                      "TP x CP is assumed fixed upstream (PR #5047) and not compensated; confirm with "
+@functools.cache
+def router_scales_by_group_size() -> bool:
+    """Whether the installed TopKRouter carries PR #5047 (core_v0.19.0): it multiplies the losses
+    it attaches by its tp_cp_group size, where 0.16-0.18 name no group size in that method.
+    Read off the installed source (the release number only where no source is shipped), so a
+    newer release gets the newest behaviour read; it also warns once (rank 0), as the table
+    may no longer hold there."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    version = _megatron_version()
+    if version > NEWEST_READ and (not dist.is_initialized() or dist.get_rank() == 0):
+        warnings.warn(f"megatron-core {version[0]}.{version[1]}: the MoE aux/z-loss scaling under TP x CP was "
+                      "read for 0.16-0.19 and main d98e8a64dd only (step/moe.py); check it with "
                       "tests/distributed/test_moe_aux_loss.py", stacklevel=2)
-        return 1
-    return size
+    try:
+        return "tp_cp_group.size()" in inspect.getsource(TopKRouter.attach_and_log_load_balancing_loss)
+    except (OSError, TypeError):
+        return version >= (0, 19)
+
+
+def loss_factors(config, *, padding_mask: bool) -> tuple[float, float]:
+    """(z-loss factor, aux-loss factor) that the installed megatron-core needs on the coefficients
+    for TP x CP router gradients to equal one process's (the table above); (1, 1) for a dense
+    model or TP x CP = 1."""
+    n = config.tensor_model_parallel_size * config.context_parallel_size
+    if getattr(config, "num_moe_experts", None) is None or n == 1:
+        return 1.0, 1.0
+    if router_scales_by_group_size():
+        return 1.0, 1.0 / n if padding_mask else 1.0
+    return float(n), 1.0 if padding_mask else float(n)
+
+
+def _scaled_aux_coeff(config, factor: float):
+    """moe_aux_loss_coeff (a float, or one per moe_router_load_balancing_type) with the
+    GROUP_COUNTED kinds' coefficients times `factor`."""
+    kind, coeff = config.moe_router_load_balancing_type, config.moe_aux_loss_coeff
+    if isinstance(coeff, (list, tuple)):
+        kinds = list(kind) if isinstance(kind, (list, tuple)) else [kind] * len(coeff)
+        return type(coeff)(c * factor if k in GROUP_COUNTED else c for k, c in zip(kinds, coeff))
+    return coeff * factor if kind in GROUP_COUNTED else coeff
 
 
 @contextlib.contextmanager
-def moe_aux_loss_compensation(config, *, padding_mask: bool) -> Iterator[int]:
-    """Scale config.moe_z_loss_coeff, and config.moe_aux_loss_coeff (a float or a per-type list)
-    when the router gets no padding mask, by `aux_loss_scale(config)` for the duration of the
-    block; yields the factor."""
-    factor = aux_loss_scale(config)
-    if factor == 1:
-        yield 1
-        return
+def moe_aux_loss_compensation(config, *, padding_mask: bool) -> Iterator[tuple[float, float]]:
+    """Scale config.moe_z_loss_coeff and config.moe_aux_loss_coeff by `loss_factors(config,
+    padding_mask=...)` for the duration of the block (padding_mask: whether the schedule hands
+    the router a padding mask); yields the two factors."""
+    z_factor, aux_factor = loss_factors(config, padding_mask=padding_mask)
     saved = config.moe_aux_loss_coeff, config.moe_z_loss_coeff
-    aux = saved[0]
-    if not padding_mask:
-        config.moe_aux_loss_coeff = [c * factor for c in aux] if isinstance(aux, (list, tuple)) else aux * factor
-    config.moe_z_loss_coeff = None if saved[1] is None else saved[1] * factor
+    if aux_factor != 1.0:
+        config.moe_aux_loss_coeff = _scaled_aux_coeff(config, aux_factor)
+    if z_factor != 1.0 and saved[1] is not None:
+        config.moe_z_loss_coeff = saved[1] * z_factor
     try:
-        yield factor
+        yield z_factor, aux_factor
     finally:
         config.moe_aux_loss_coeff, config.moe_z_loss_coeff = saved
 
@@ -113,7 +151,7 @@ class RouterStats:
 
     Per microbatch with rows and per layer it records the router's aux loss (the Switch
     load-balancing loss of the microbatch, unscaled by its coefficient, as the router hands it to
-    save_to_aux_losses_tracker: this rank's share, summed over TP x CP), its z-loss times the
+    its logging tracker: this rank's share, summed over TP x CP), its z-loss times the
     valid tokens it averaged over, and the valid tokens routed to each expert. Training forwards
     only (the router computes neither loss in eval or no-grad passes).
     """
@@ -178,12 +216,23 @@ class RouterStats:
 
         for r in self.routers:
             self.hooks += [r.register_forward_pre_hook(before), r.register_forward_hook(after)]
-        self._module, self._save = router_module, router_module.save_to_aux_losses_tracker
-        router_module.save_to_aux_losses_tracker = self._record
+        # Where the router hands its losses for logging: megatron-core 0.18+ calls
+        # get_moe_metrics_tracker().record(name, value, layer_number, ...), a method of the tracker
+        # object; 0.16-0.17 the module function save_to_aux_losses_tracker (same leading arguments).
+        if hasattr(router_module, "get_moe_metrics_tracker"):
+            owner, attr = router_module.get_moe_metrics_tracker(), "record"  # mcore-optional: 0.18+
+        else:
+            owner, attr = router_module, "save_to_aux_losses_tracker"
+        self._site, self._save = (owner, attr, vars(owner).get(attr)), getattr(owner, attr)
+        setattr(owner, attr, self._record)
         return self
 
     def __exit__(self, *exc):
-        self._module.save_to_aux_losses_tracker = self._save
+        owner, attr, own = self._site  # own: None where the attribute is the tracker class's method
+        if own is None:
+            delattr(owner, attr)
+        else:
+            setattr(owner, attr, own)
         for h in self.hooks:
             h.remove()
         self.hooks = []
