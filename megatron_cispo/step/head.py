@@ -1,5 +1,7 @@
 """The output head: score a microbatch from the model's logits, or fuse the output layer into the
 logprobs so that the [tokens, vocab/tp] logits never exist (loss.head = "logits" | "fused").
+The fused head takes GPTModel.forward's output_processor (megatron-core 0.18+) and patches the
+output layer's forward only where GPTModel lacks it.
 
     output, fused = forward_with_head(model, "fused", input_ids, position_ids, None)  # or "logits"
     lp = score_output(output, fused, targets, temperature=1.0)
@@ -9,6 +11,8 @@ the Megatron-LM drop-in's get_logprobs.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import Optional
 
@@ -32,13 +36,41 @@ def output_layer_of(model):
     return getattr(unwrap(model)[0], "output_layer", None)
 
 
+@functools.lru_cache(maxsize=None)
+def takes_output_processor(model_type: type) -> bool:
+    """Whether model_type.forward hands its decoder's hidden states to an `output_processor`
+    instead of its output layer: GPTModel from megatron-core 0.18 (PR #4686). Probed once per
+    class; without it the fused head patches the output layer's forward."""
+    forward = getattr(model_type, "forward", None)
+    try:
+        return forward is not None and "output_processor" in inspect.signature(forward).parameters
+    except (TypeError, ValueError):  # a builtin or C forward: no signature to read
+        return False
+
+
+def _record(captured: dict, layer, weight) -> None:
+    """The weight the output layer would have used (its own, or the tied embedding GPTModel
+    passes) and whether its input is sequence-parallel."""
+    captured["weight"] = layer.weight if weight is None else weight
+    captured["sequence_parallel"] = bool(getattr(layer, "sequence_parallel", False))
+
+
+def hidden_states_processor(captured: dict):
+    """GPTModel's output_processor for the fused head: returns the hidden states [b, s(/tp), h]
+    in place of the logits (the layout GPTModel gives its logits), after MuP's logit multiplier
+    (a scalar, so scaling the hidden states scales the logits the fused head makes alike)."""
+    def output_processor(*, hidden_states, output_layer, output_weight, scale_logits, **_):
+        _record(captured, output_layer, output_weight)
+        return scale_logits(hidden_states).transpose(0, 1)
+    return output_processor
+
+
 @contextlib.contextmanager
 def hidden_states_out(layer, captured: dict):
-    """For one forward, the output layer hands back its input hidden states [s(/tp), b, h] and
-    records the weight it would have used: its own, or the tied embedding GPTModel passes."""
+    """For one forward of a GPTModel without output_processor (megatron-core < 0.18), the output
+    layer hands back its input hidden states [s(/tp), b, h]."""
     def forward(hidden, weight=None, runtime_gather_output=None):
-        captured["weight"] = layer.weight if weight is None else weight
-        captured["sequence_parallel"] = bool(getattr(layer, "sequence_parallel", False))
+        _record(captured, layer, weight)
         return hidden, None
     layer.forward = forward
     try:
@@ -65,8 +97,11 @@ def forward_with_head(model, head: str, *args, **kwargs) -> tuple[Tensor, Option
     if layer is None:
         return model(*args, **kwargs), None
     captured: dict = {}
-    with hidden_states_out(layer, captured):
-        output = model(*args, **kwargs)
+    if takes_output_processor(type(unwrap(model)[0])):
+        output = model(*args, output_processor=hidden_states_processor(captured), **kwargs)
+    else:
+        with hidden_states_out(layer, captured):
+            output = model(*args, **kwargs)
     return output, (FusedHead(captured["weight"], captured["sequence_parallel"]) if captured else None)
 
 

@@ -2,8 +2,8 @@
 
 The stand-ins have the real module paths, attribute names and 0.16 signatures (no Megatron code):
 megatron.rl.rl_utils, megatron.training (pretrain, get_args), megatron.core.package_info, train_rl;
-the model stand-ins have the forward signatures of megatron-core 0.16's GPTModel, Float16Module
-and DistributedDataParallel (checked against the installed megatron-core).
+the model stand-ins have the forward signatures of the installed megatron-core's GPTModel (0.18+
+adds output_processor), Float16Module and DistributedDataParallel (checked against it).
 """
 import inspect
 import argparse
@@ -13,6 +13,7 @@ from functools import partial
 
 import pytest
 import torch
+from megatron.core.models.gpt.gpt_model import GPTModel
 
 from megatron_cispo.integrations import megatron_lm as mlm
 from megatron_cispo.integrations.megatron_lm import dropin, patch, vocab_logprobs
@@ -295,9 +296,9 @@ def test_launcher_without_a_script_prints_usage(capsys):
     assert "usage" in capsys.readouterr().err
 
 
-class _Model:
-    """GPTModel's last stage: forward has GPTModel.forward's exact parameters (no **kwargs, no
-    fp32_output), so a keyword it lacks raises TypeError as in Megatron."""
+class _Model16:
+    """GPTModel's last stage before megatron-core 0.18: forward has GPTModel.forward's exact
+    parameters (no **kwargs, no fp32_output), so a keyword it lacks raises TypeError as in Megatron."""
 
     def __init__(self, logits):
         self.logits, self.calls = logits, []
@@ -310,11 +311,29 @@ class _Model:
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
                 inference_context=None, packed_seq_params=None, extra_block_kwargs=None,
                 runtime_gather_output=None, *, inference_params=None, loss_mask=None, padding_mask=None):
-        self.calls.append((self.config.flash_decode, {"runtime_gather_output": runtime_gather_output}))
-        return self._output()
+        return self._run(runtime_gather_output)
 
-    def _output(self):
+    def _run(self, runtime_gather_output, output_processor=None):
+        self.calls.append((self.config.flash_decode, {"runtime_gather_output": runtime_gather_output}))
+        return self._output(output_processor)
+
+    def _output(self, output_processor):
+        assert output_processor is None, "a logits stand-in has no decoder hidden states"
         return self.logits
+
+
+class _Model18(_Model16):
+    """GPTModel's last stage from megatron-core 0.18 (PR #4686): keyword-only output_processor."""
+
+    def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
+                inference_context=None, packed_seq_params=None, extra_block_kwargs=None,
+                runtime_gather_output=None, *, inference_params=None, loss_mask=None, padding_mask=None,
+                output_processor=None, output_processor_context=None):
+        return self._run(runtime_gather_output, output_processor)
+
+
+# The installed tier's GPTModel; the signature test below checks the choice against it.
+_Model = _Model18 if "output_processor" in inspect.signature(GPTModel.forward).parameters else _Model16
 
 
 class Float16Module:
@@ -341,7 +360,6 @@ class DistributedDataParallel(Float16Module):
 
 def test_model_stand_ins_have_megatron_cores_forward_signatures():
     from megatron.core.distributed import DistributedDataParallel as DDP
-    from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.module import Float16Module as F16
 
     for ours, theirs in ((_Model, GPTModel), (Float16Module, F16), (DistributedDataParallel, DDP)):
@@ -427,16 +445,25 @@ class _Layer(torch.nn.Module):
 
 
 class _GPT(_Model):
-    """GPTModel's last stage: decoder hidden states -> output layer -> logits transposed to [b, s, v]."""
+    """GPTModel's last stage: decoder hidden states [s, b, h] -> the output layer -> logits
+    transposed to [b, s, v]; or, given an output_processor (0.18+), what it returns."""
 
     def __init__(self, hidden, weight):
         super().__init__(None)
         self.hidden, self.output_layer = hidden, _Layer(weight)
 
-    def _output(self):
-        logits, _ = self.output_layer(self.hidden)
-        self.returned = tuple(logits.shape)
-        return logits.transpose(0, 1).contiguous()
+    def _output(self, output_processor):
+        if output_processor is not None:  # the keywords GPTModel._postprocess passes
+            out = output_processor(
+                hidden_states=self.hidden, output_layer=self.output_layer, output_weight=None, labels=None,
+                loss_mask=None, input_ids=None, position_ids=None, attention_mask=None, decoder_input=None,
+                inference_context=None, packed_seq_params=None, runtime_gather_output=False, context=None,
+                compute_language_model_loss=None, scale_logits=lambda x: x, config=self.config)
+        else:
+            logits, _ = self.output_layer(self.hidden)
+            out = logits.transpose(0, 1).contiguous()
+        self.returned = tuple(out.shape)
+        return out
 
 
 def test_fused_head_get_logprobs_matches_the_logits_head_without_materialising_logits(monkeypatch):
@@ -456,7 +483,7 @@ def test_fused_head_get_logprobs_matches_the_logits_head_without_materialising_l
             lp = mlm.get_logprobs(model, tokens, torch.arange(6).expand(2, 6))
             (lp * torch.linspace(-1, 1, 5)).sum().backward()
             results[head] = (lp.detach(), h.grad, model.output_layer.weight.grad)
-            assert model.returned == (6, 2, 4 if head == "fused" else 11)  # fused: hidden states, no logits
+            assert model.returned == (2, 6, 4 if head == "fused" else 11)  # fused: hidden states, no logits
     finally:
         mlm.configure(LossConfig())
     for want, got in zip(results["logits"], results["fused"]):
