@@ -4,6 +4,8 @@ against megatron-core's vocab_parallel_cross_entropy, for an even and a padded v
 One 4-rank launch covers every layout: megatron's TP group (tp=4) is the default group, and
 explicit subgroups give TP=2 (ranks {0,1}, {2,3}) and TP=1 (each rank alone).
 """
+import inspect
+
 import pytest
 import torch
 
@@ -30,6 +32,25 @@ def _reference(x, t, vocab, temperature):
     lp = torch.where(valid, logp.gather(1, torch.where(valid, t, 0)[:, None]).squeeze(1), 0.0)
     ent = -(logp.exp() * logp).sum(-1)
     return lp, ent, x64
+
+
+def _mcore_cross_entropy(mce, logits, targets, group, rank, tp):
+    """megatron-core's vocab_parallel_cross_entropy over `group` (None: megatron's TP group). 0.19
+    takes tp_group=; before, it reads the group, rank and size from the parallel_state helpers it
+    imports, which are swapped for this call."""
+    if "tp_group" in inspect.signature(mce.vocab_parallel_cross_entropy).parameters:
+        return mce.vocab_parallel_cross_entropy(logits, targets, tp_group=group)
+    patched = {"get_tensor_model_parallel_group": lambda: group,
+               "get_tensor_model_parallel_rank": lambda: rank,
+               "get_tensor_model_parallel_world_size": lambda: tp}
+    saved = {k: getattr(mce, k) for k in patched}
+    try:
+        for k, v in patched.items():
+            setattr(mce, k, v)
+        return mce.vocab_parallel_cross_entropy(logits, targets)
+    finally:
+        for k, v in saved.items():
+            setattr(mce, k, v)
 
 
 def _case(tp, group, rank, vocab, count):
@@ -73,18 +94,8 @@ def _case(tp, group, rank, vocab, count):
     ref_in = xb[:, cols].clone()
     ref_in[:, max(0, vocab - rank * vl):] = float("-inf")
     ref_in.requires_grad_()
-    patched = {"get_tensor_model_parallel_group": lambda: group,
-               "get_tensor_model_parallel_rank": lambda: rank,
-               "get_tensor_model_parallel_world_size": lambda: tp}
-    saved = {k: getattr(mce, k) for k in patched}
-    try:
-        for k, v in patched.items():
-            setattr(mce, k, v)
-        ref_lp = -mce.vocab_parallel_cross_entropy(ref_in, tb)
-        ref_lp.sum().backward()
-    finally:
-        for k, v in saved.items():
-            setattr(mce, k, v)
+    ref_lp = -_mcore_cross_entropy(mce, ref_in, tb, group, rank, tp)
+    ref_lp.sum().backward()
     out["bf16_lp_vs_mcore"] = (lp - ref_lp).abs().max().item()
     ulp = torch.finfo(torch.bfloat16).eps * ref_in.grad.float().abs()  # one bf16 ulp, relative
     diff = (ours.grad.float() - ref_in.grad.float()).abs()
