@@ -20,6 +20,8 @@ multi-node job needs run_dir on a filesystem every node shares: rank 0 verifies 
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
 from pathlib import Path
@@ -210,6 +212,19 @@ def _common_strategy(path: Path, info: dict):
     return ShardsCommonLoad()
 
 
+@contextlib.contextmanager
+def _quiet(logger: str):
+    """Hide `logger`'s warnings: megatron-core 0.19 says "load_common is deprecated" on every rank
+    when it reads a 0.16-0.18 checkpoint's common.pt; rank 0's note says which version wrote it."""
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def _load_error(path: Path, info: dict, e: BaseException) -> str:
     """One line for a failed load; "saved by another model or optimizer" only where the checkpoint's
     tensors or keys do not fit this model (a read error or a bug is said as what it is), with the
@@ -261,8 +276,9 @@ def load(path: Path, *, chunks, optimizer, shared: dict) -> int:
     state, error, cause = None, None, None
     try:
         kwargs = {} if common is None else {"common_strategy": common}
-        state = dist_checkpointing.load(_sharded_state_dict(chunks, optimizer, loading=True, with_rng=same_layout),
-                                        str(path), **kwargs)
+        with _quiet("megatron.core.dist_checkpointing.strategies.common"):
+            state = dist_checkpointing.load(
+                _sharded_state_dict(chunks, optimizer, loading=True, with_rng=same_layout), str(path), **kwargs)
         models = unwrap_model(list(chunks))
         for i, m in enumerate(models):
             m.load_state_dict(state["model" if len(models) == 1 else f"model{i}"])

@@ -30,16 +30,19 @@ def env() -> dict[str, str]:
     return out
 
 
-def torchrun_cmd(nproc: int, args: list[str], *, nnodes: int = 1, node_rank: int = 0, port: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(node_rank),
+def torchrun_cmd(nproc: int, args: list[str], *, nnodes: int = 1, node_rank: int = 0, port: int,
+                 python: str = sys.executable) -> list[str]:
+    return [python, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(node_rank),
             "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
             "-m", "megatron_cispo.train", *args]
 
 
-def torchrun(nproc: int, args: list[str], *, timeout: float = 240, check: bool = True) -> subprocess.CompletedProcess:
+def torchrun(nproc: int, args: list[str], *, timeout: float = 240, check: bool = True,
+             python: str = sys.executable) -> subprocess.CompletedProcess:
+    """`python` (another venv's, e.g. the other megatron-core tier's) runs torchrun and the job."""
     for _ in range(3):
-        proc = subprocess.run(torchrun_cmd(nproc, args, port=free_port()), cwd=ROOT, env=env(), capture_output=True,
-                              text=True, timeout=timeout)
+        proc = subprocess.run(torchrun_cmd(nproc, args, port=free_port(), python=python), cwd=ROOT, env=env(),
+                              capture_output=True, text=True, timeout=timeout)
         # free_port's port can be taken by another socket before torchrun binds it (seen once in ~1000
         # launches): the rendezvous never started and nothing ran, so the same launch on a new port is the test
         if not (proc.returncode != 0 and "EADDRINUSE" in proc.stderr and "_rendezvous" in proc.stderr):

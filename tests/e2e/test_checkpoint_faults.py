@@ -11,6 +11,7 @@ import shutil
 import subprocess
 
 import pytest
+from torch.distributed.checkpoint import FileSystemReader
 
 from e2e_helpers import DEMO, TINY, assert_metrics_close, metrics, torchrun
 from megatron_cispo.train import EXIT_SAVE_FAILED
@@ -59,11 +60,23 @@ def _corrupt(step_dir, case):
     elif case == "garbage_sampler":
         path = step_dir / "sampler.pt"
         path.write_bytes(b"\x80\x04garbage" * 100)
+    elif case == "garbage_common":  # common.pt, or (megatron-core 0.19+) the common_state bytes in a shard
+        path = step_dir / checkpoint_files.COMMON
+        if path.is_file():
+            path.write_bytes(b"\x80\x04garbage" * 100)
+        else:
+            key = checkpoint_files.common_state_object().unique_key
+            item = next(item for index, item in FileSystemReader(str(step_dir)).read_metadata().storage_data.items()
+                        if index.fqn == key)
+            path = step_dir / item.relative_path
+            with open(path, "r+b") as f:
+                f.seek(item.offset)
+                f.write(b"\xff" * item.length)
     return path
 
 
 @pytest.mark.parametrize("case", ["truncated_model_shard", "missing_model_shard", "empty_COMPLETE",
-                                  "deleted_COMPLETE", "garbage_sampler"])
+                                  "deleted_COMPLETE", "garbage_sampler", "garbage_common"])
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one_with_a_warning(reference, tmp_path,
                                                                                    capsys, case):
     ckpts = _copy(reference, tmp_path)
