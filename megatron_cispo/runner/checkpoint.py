@@ -10,8 +10,9 @@ state dicts and every rank's RNG states in dist_checkpointing's torch_dist forma
 state in the shards), `<name>.pt` for each object in `shared` (rank 0; objects with
 state_dict()/load_state_dict() that are the same on every rank, like the demo's sampler), the
 experiment's config.yaml when save() is given it, and a COMPLETE marker (JSON: step, layout, shared
-names, the megatron-core version that wrote it). Either layout loads with megatron-core 0.16 and 0.19
-(`_common_strategy`); 0.17-0.18 refuse a 0.19+ checkpoint in one line naming both versions. The optimizer's state (moments, steps) is loaded; its settings stay those it was built with.
+names, the megatron-core version that wrote it). Either layout loads with megatron-core 0.16 and
+0.19 (`_common_strategy`); 0.17-0.18 refuse a 0.19+ checkpoint in one line naming both versions.
+The optimizer's state (moments, steps) is loaded; its settings stay those it was built with.
 It is written under .step_<step>.tmp/, every file and the directory fsynced, COMPLETE last, then
 renamed into place (checkpoint_save.py: a failure on any rank stops every rank alike); files_
 (checkpoint_files.py) names, verifies and prunes them. Tensors are resharded on load, so the model and optimizer resume on any

@@ -22,7 +22,11 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
+# What reading or writing a checkpoint may raise: CheckpointException (every rank's errors, gathered)
+# is a BaseException, so `except Exception` alone lets it through.
+FAILURES = (Exception, CheckpointException)
 MARKER = "COMPLETE"
 CONFIG = "config.yaml"  # the resolved experiment config that trained up to this checkpoint
 FORMAT = "megatron.core.dist_checkpointing/torch_dist"
@@ -133,7 +137,7 @@ def common_state_object(data=None, replica_id: int = 0):
 
 def read_common_state(directory: Path) -> dict:
     """The common state of a checkpoint whose shards hold it (written by megatron-core 0.19+); works
-    with any megatron-core, in one process (no collectives). KeyError when the shards have none."""
+    with any megatron-core, in one process (no collectives). `verify` checks that the shards hold one."""
     from torch.distributed import checkpoint as dcp
 
     key = common_state_object().unique_key
@@ -211,7 +215,7 @@ def verify(directory: Path) -> str | None:
         for name in (f"{n}.pt" for n in info.get("shared", [])):
             path = directory / name
             torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except Exception as e:  # noqa: BLE001 - any failure to read makes the checkpoint unusable
+    except FAILURES as e:  # noqa: B014 - any failure to read makes the checkpoint unusable
         return f"{path}: {describe_error(e)}"
     return None
 

@@ -23,12 +23,9 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
-
 from . import checkpoint_files as files_
 
-# What a failed part may raise: CheckpointException (every rank's errors, gathered) is a BaseException.
-FAILURES = (Exception, CheckpointException)
+FAILURES = files_.FAILURES
 
 
 class SaveFailed(RuntimeError):
