@@ -11,10 +11,10 @@ from pathlib import Path
 
 from setuptools import find_packages, setup
 
-# What Megatron-LM's RL entry point (train_rl.py) imports beyond torch and megatron-core, recorded
-# with its API: pip install "megatron_cispo[megatron-lm]" (docs/integration.md).
-_API = Path(__file__).resolve().parent / "megatron_cispo" / "integrations" / "megatron_lm_api_0_16.json"
-MEGATRON_LM = sorted(json.loads(_API.read_text())["entry_point_requirements"].values())
+# What Megatron-LM's RL entry point (train_rl.py) imports beyond torch and megatron-core at every
+# recorded ref, with its API: pip install "megatron_cispo[megatron-lm]" (docs/integration.md).
+_APIS = (Path(__file__).resolve().parent / "megatron_cispo" / "integrations").glob("megatron_lm_api_*.json")
+MEGATRON_LM = sorted({r for p in _APIS for r in json.loads(p.read_text())["entry_point_requirements"].values()})
 
 setup(
     name="megatron_cispo",

@@ -14,7 +14,7 @@ import torch
 
 from megatron_cispo.config import ConfigError, CorrectionConfig, KLConfig, LossConfig, TISConfig
 from megatron_cispo.integrations import megatron_lm as mlm
-from megatron_cispo.integrations.megatron_lm.patch import describe_params, signature_mismatch
+from megatron_cispo.integrations.megatron_lm.api import describe_params, signature_mismatch
 from megatron_cispo.losses import compute_policy_loss
 
 B, S = 3, 7
@@ -66,11 +66,13 @@ def megatron_formula(current_logprobs, old_logprobs, ref_logprobs, advantages, c
 # ------------------------------------------------------------ recorded API
 
 
-def test_dropin_signature_and_get_logprobs_signature_match_recorded_0_16_api():
-    for name, fn in (("calculate_grpo_loss", mlm.calculate_grpo_loss), ("get_logprobs", mlm.get_logprobs)):
-        assert describe_params(fn) == mlm.API["functions"][name]["params"], name
-    assert mlm.API["megatron_lm_tag"].startswith("core_v0.16")
-    assert len(mlm.API["functions"]["calculate_grpo_loss"]["returns"]) == 6
+def test_dropin_signature_and_get_logprobs_signature_match_every_recorded_ref():
+    assert [r["megatron_lm_tag"] for r in mlm.RECORDS] == [
+        "core_v0.16.1", "core_v0.17.1", "core_v0.18.2", "core_v0.19.0", "main"]
+    for record in mlm.RECORDS:
+        for name, fn in (("calculate_grpo_loss", mlm.calculate_grpo_loss), ("get_logprobs", mlm.get_logprobs)):
+            assert describe_params(fn) == record["functions"][name]["params"], (record["file"], name)
+        assert len(record["functions"]["calculate_grpo_loss"]["returns"]) == 6
 
 
 def test_signature_mismatch_names_the_differing_parameter():
@@ -78,11 +80,11 @@ def test_signature_mismatch_names_the_differing_parameter():
                 kl_beta, entropy_weight, inference_logprobs=None, is_truncation_coef=None,
                 seq_starts=None, seq_lengths=None):
         pass
-    why = signature_mismatch(describe_params(renamed), mlm.API["functions"]["calculate_grpo_loss"]["params"])
+    why = signature_mismatch(describe_params(renamed), mlm.RECORDS[0]["functions"]["calculate_grpo_loss"]["params"])
     assert why == "parameter 4: expected clamp_eps_lower, found clamp_eps"
     short = lambda current_logprobs, old_logprobs: None  # noqa: E731
     assert "expected ref_logprobs, found nothing" in signature_mismatch(
-        describe_params(short), mlm.API["functions"]["calculate_grpo_loss"]["params"])
+        describe_params(short), mlm.RECORDS[0]["functions"]["calculate_grpo_loss"]["params"])
 
 
 def test_dropin_returns_six_unreduced_per_token_tensors_called_like_train_rl():

@@ -1,19 +1,23 @@
-"""Against a real Megatron-LM checkout (MEGATRON_LM_DIR): its API matches the record, the extra
-[megatron-lm] covers what its train_rl.py imports, and the drop-in with policy_loss=ppo reproduces
-its own calculate_grpo_loss. Skipped without a checkout.
+"""Against real Megatron-LM checkouts (MEGATRON_LM_DIR, one or several joined by os.pathsep; each
+test runs once per checkout): its API is one of the recorded refs, the flags the drop-in reads and
+the docs pass exist there, the extra [megatron-lm] covers what its train_rl.py imports, and the
+drop-in with policy_loss=ppo reproduces its own calculate_grpo_loss (test_megatron_lm_checkout_logprobs.py:
+its get_logprobs). Skipped without a checkout.
 
-    MEGATRON_LM_DIR=/path/to/Megatron-LM python -m pytest tests/unit/test_megatron_lm_checkout.py
+    MEGATRON_LM_DIR=/mlm/core_v0.16.1:/mlm/core_v0.19.0:/mlm/main python -m pytest tests/unit -k megatron_lm_checkout
 
-Most tests parse the checkout's sources; its calculate_grpo_loss is compiled alone, with a stub
-for its logging helper. Two run the launcher on the checkout's train_rl.py in a subprocess: they
-need the extra installed (pip install "megatron_cispo[megatron-lm]") and are skipped without it.
+Most tests parse the checkout's sources; its functions are compiled alone (megatron_lm_checkouts.py).
+Two run the launcher on the checkout's train_rl.py in a subprocess: they need the extra installed
+(pip install "megatron_cispo[megatron-lm]") and are skipped without it.
 """
 import ast
 import importlib.util
 import logging
 import os
+import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -21,23 +25,17 @@ import torch
 
 from megatron_cispo.config import LossConfig
 from megatron_cispo.integrations import megatron_lm as mlm
-from megatron_cispo.integrations.megatron_lm.patch import signature_mismatch
+from megatron_cispo.integrations.megatron_lm import api
 
-ROOT = os.environ.get("MEGATRON_LM_DIR")
-pytestmark = pytest.mark.skipif(not ROOT, reason="MEGATRON_LM_DIR is not set: no Megatron-LM checkout to test against")
+from megatron_lm_checkouts import ROOTS, Checkout, needs_checkout
 
-
-def _module(rel):
-    path = Path(ROOT) / rel
-    if not path.is_file():
-        pytest.fail(f"MEGATRON_LM_DIR={ROOT} has no {rel}; point it at a Megatron-LM checkout")
-    return ast.parse(path.read_text())
+pytestmark = needs_checkout
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "integration.md"
 
 
-def _function(tree, name):
-    found = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name]
-    assert found, f"{name} not found"
-    return found[0]
+@pytest.fixture(params=ROOTS or [None], ids=lambda r: Path(r).name if r else "none")
+def checkout(request):
+    return Checkout(request.param)
 
 
 def _params(fn):
@@ -48,21 +46,52 @@ def _params(fn):
     return out + [[p.arg, None if d is None else ast.unparse(d)] for p, d in zip(a.kwonlyargs, a.kw_defaults)]
 
 
-def test_checkout_rl_utils_signatures_match_the_record():
-    rl = _module("megatron/rl/rl_utils.py")
-    for name, spec in mlm.API["functions"].items():
-        assert signature_mismatch(_params(_function(rl, name)), spec["params"]) is None, name
+def _record(checkout):
+    """api.detect on stand-in modules built from the checkout's sources: the names rl_utils defines
+    or imports, its calculate_grpo_loss and get_logprobs compiled alone, pretrain's and parse_args's
+    signatures."""
+    rel = "megatron/rl/rl_utils.py"
+    rl = types.ModuleType("megatron.rl.rl_utils")
+    for node in checkout.tree(rel).body:
+        bound = ([a.asname or a.name.split(".")[0] for a in node.names] if isinstance(node, (ast.Import, ast.ImportFrom))
+                 else [node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else [])
+        for name in bound:
+            setattr(rl, name, object())
+    ns = checkout.compile(rel, ["calculate_grpo_loss", "get_logprobs"], {"torch": torch})
+    rl.calculate_grpo_loss, rl.get_logprobs = ns["calculate_grpo_loss"], ns["get_logprobs"]
+    training, arguments = types.ModuleType("megatron.training"), types.ModuleType("megatron.training.arguments")
+    training.pretrain = checkout.signature_stub("megatron/training/training.py", "pretrain")
+    arguments.parse_args = checkout.signature_stub("megatron/training/arguments.py", "parse_args")
+    return api.detect(rl, training, arguments)
 
 
-def test_checkout_train_rl_imports_the_recorded_names_and_pretrain_has_the_hooks():
-    tree = _module("train_rl.py")
-    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == mlm.API["rl_utils_module"]
+def test_checkout_is_one_recorded_ref_and_its_loss_func_and_get_logprobs_agree_on_cp(checkout):
+    record = _record(checkout)
+    assert record["megatron_core_version"] == checkout.core_version(), record["file"]
+    tree = checkout.tree("train_rl.py")
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == api.RL_UTILS
                 for a in n.names}
-    assert set(mlm.API["train_rl_imports_from_rl_utils"]) <= imported
-    pretrain = [p for p, _ in _params(_function(_module("megatron/training/training.py"), "pretrain"))]
-    assert set(mlm.API["pretrain"]["required_params"]) <= set(pretrain)
-    parse_args = [p for p, _ in _params(_function(_module("megatron/training/arguments.py"), "parse_args"))]
-    assert set(mlm.API["parse_args"]["required_params"]) <= set(parse_args)
+    assert imported == set(record["train_rl_imports_from_rl_utils"])
+    # Context parallelism is handled once: by train_rl.loss_func (all-reduce over CP, x cp_size) up
+    # to 0.19, by get_logprobs on main (#5882), whose loss_func has neither.
+    loss_func = ast.unparse(checkout.node("train_rl.py", "loss_func"))
+    reduces = "get_context_parallel_group" in loss_func and "context_parallel_size" in loss_func
+    assert reduces == (not record["get_logprobs_features"]["context_parallel"]), record["file"]
+    assert record["loss_func_context_parallel"].startswith("all-reduces" if reduces else "no CP")
+    flags_via_pretrain = any(p == "extra_args_provider" for p, _ in _params(checkout.node(
+        "megatron/training/training.py", "pretrain")))
+    assert api.flags_via_pretrain(record) == flags_via_pretrain
+    if not flags_via_pretrain:  # 0.18+: train_rl.py parses its arguments itself, through parse_args
+        assert "parse_and_validate_args" in ast.unparse(tree)
+
+
+def test_flags_the_dropin_reads_and_the_docs_pass_exist_in_the_checkout(checkout):
+    record = _record(checkout)
+    defaults = checkout.flag_defaults()
+    assert {k: defaults.get(k, "MISSING") for k in record["args"]} == record["args"]
+    doc_flags = set(re.findall(r"--((?:rl|grpo|perform-rl)[a-z0-9-]*)", DOCS.read_text()))
+    assert doc_flags and not {f for f in doc_flags if f.replace("-", "_") not in defaults}, \
+        "docs/integration.md passes a Megatron-LM flag this checkout does not have"
 
 
 # Needed by train_rl.py but installed with megatron_cispo itself (torch, megatron-core, pyyaml).
@@ -94,9 +123,8 @@ def _module_level_imports(tree):
     return out
 
 
-def _packages_train_rl_imports():
+def _packages_train_rl_imports(root):
     """Top-level packages outside the checkout that loading train_rl.py imports unconditionally."""
-    root = Path(ROOT)
 
     def source(name):
         p = root.joinpath(*name.split("."))
@@ -132,15 +160,17 @@ def _packages_train_rl_imports():
     return found - _BASE
 
 
-def test_the_megatron_lm_extra_covers_what_the_checkouts_train_rl_imports():
-    extra = set(mlm.API["entry_point_requirements"])
-    loaded = _packages_train_rl_imports()
+def test_the_megatron_lm_extra_covers_what_the_checkouts_train_rl_imports(checkout):
+    extra = set(_record(checkout)["entry_point_requirements"])
+    assert extra <= set(api.entry_point_requirements())  # setup.py's extra: every ref's
+    loaded = _packages_train_rl_imports(checkout.root)
     assert loaded <= extra, f"train_rl.py imports {sorted(loaded - extra)}, which the extra lacks"
-    # The rest are imported when a feature runs (a tokenizer kind, the text server, dataset agents).
+    # The rest are imported when a feature runs (a tokenizer kind, the text server, dataset agents;
+    # from 0.17 also six, regex and transformers, from the tokenizers), so the checkout imports each.
     later = extra - loaded
-    assert later == {"tiktoken", "sentencepiece", "flask_restful", "datasets"}, sorted(later)
+    assert {"tiktoken", "sentencepiece", "flask_restful", "datasets"} <= later, sorted(later)
     for name in later:
-        hits = [p for p in Path(ROOT, "megatron").rglob("*.py")
+        hits = [p for p in Path(checkout.root, "megatron").rglob("*.py")
                 if any(isinstance(n, (ast.Import, ast.ImportFrom))
                        and name in ([a.name.split(".")[0] for a in n.names] if isinstance(n, ast.Import)
                                     else [(n.module or "").split(".")[0]])
@@ -148,8 +178,8 @@ def test_the_megatron_lm_extra_covers_what_the_checkouts_train_rl_imports():
         assert hits, f"nothing in the checkout imports {name}: drop it from the extra"
 
 
-def _launch(args, env_extra, timeout=600):
-    missing = [n for n in mlm.API["entry_point_requirements"] if importlib.util.find_spec(n) is None]
+def _launch(root, args, env_extra, timeout=600):
+    missing = [n for n in api.entry_point_requirements() if importlib.util.find_spec(n) is None]
     if missing:
         pytest.skip(f"the extra [megatron-lm] is not installed (missing {', '.join(missing)}): "
                     'pip install "megatron_cispo[megatron-lm]"')
@@ -157,19 +187,19 @@ def _launch(args, env_extra, timeout=600):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **env_extra}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env_extra.get("PYTHONPATH"), repo, os.environ.get("PYTHONPATH")) if p)
     return subprocess.run([sys.executable, "-m", "megatron_cispo.integrations.megatron_lm.run",
-                           str(Path(ROOT) / "train_rl.py"), *args], cwd=ROOT, env=env, capture_output=True,
+                           str(Path(root) / "train_rl.py"), *args], cwd=root, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 
-def test_launcher_help_on_the_checkout_lists_megatrons_and_the_cispo_flags():
-    proc = _launch(["--help"], {})
+def test_launcher_help_on_the_checkout_lists_megatrons_and_the_cispo_flags(checkout):
+    proc = _launch(checkout.root, ["--help"], {})
     assert proc.returncode == 0, proc.stderr[-3000:]
     for flag in ("--perform-rl-step", "--grpo-kl-beta", *mlm.settings.FLAGS, mlm.settings.TEMPERATURE_FLAG):
         assert flag in proc.stdout, flag
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU train_rl.py would start training")
-def test_launcher_patches_the_checkouts_rl_utils_and_train_rl_stops_at_megatrons_cuda_assert(tmp_path):
+def test_launcher_patches_the_checkouts_rl_utils_and_train_rl_stops_at_megatrons_cuda_assert(checkout, tmp_path):
     """On CPU: train_rl.py loads with the extra, install() accepts the real modules, and pretrain
     reaches initialize_megatron, which asserts CUDA."""
     (tmp_path / "report_patch.py").write_text(
@@ -180,19 +210,17 @@ def test_launcher_patches_the_checkouts_rl_utils_and_train_rl_stops_at_megatrons
         "    print('PATCHED', rl.calculate_grpo_loss is m.calculate_grpo_loss, rl.get_logprobs is m.get_logprobs,\n"
         "          hasattr(tr.pretrain, '__wrapped__'), flush=True)\n"
         "atexit.register(_report)\n")
-    proc = _launch(["--perform-rl-step", "--cispo-anchor", "rollout"],
+    proc = _launch(checkout.root, ["--perform-rl-step", "--cispo-anchor", "rollout"],
                    {"PYTHONPATH": str(tmp_path), "MEGATRON_CISPO_PLUGINS": "report_patch"})
     assert proc.returncode != 0
     assert "Megatron requires CUDA" in proc.stderr and "initialize_megatron" in proc.stderr, proc.stderr[-3000:]
     assert "PATCHED True True True" in proc.stdout, proc.stdout[-2000:]
 
 
-def test_dropin_ppo_reproduces_the_checkouts_calculate_grpo_loss():
-    fn = _function(_module("megatron/rl/rl_utils.py"), "calculate_grpo_loss")
+def test_dropin_ppo_reproduces_the_checkouts_calculate_grpo_loss(checkout):
     namespace = {"torch": torch, "logging": logging, "logger": logging.getLogger("megatron_lm_checkout"),
                  "log_single_rank": lambda *a, **k: None}
-    exec(compile(ast.Module(body=[fn], type_ignores=[]), "rl_utils.calculate_grpo_loss", "exec"), namespace)
-    theirs = namespace["calculate_grpo_loss"]
+    theirs = checkout.compile("megatron/rl/rl_utils.py", ["calculate_grpo_loss"], namespace)["calculate_grpo_loss"]
     mlm.configure(LossConfig(policy_loss="ppo"))
     try:
         g = torch.Generator().manual_seed(0)
