@@ -18,7 +18,7 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron_cispo.integrations import megatron_lm as mlm
 from megatron_cispo.integrations.megatron_lm import dropin, patch, vocab_logprobs
 from megatron_cispo.integrations.megatron_lm import run as launcher
-from megatron_cispo.integrations.megatron_lm.patch import describe_params
+from megatron_cispo.integrations.megatron_lm.api import describe_params, entry_point_requirements
 
 
 def _orig_calculate_grpo_loss(current_logprobs, old_logprobs, ref_logprobs, advantages, clamp_eps_lower,
@@ -80,10 +80,11 @@ class _Tree:
                   get_embedding_ranks=None, get_position_embedding_ranks=None, non_loss_data_func=None,
                   store=None, inprocess_call_wrapper=None):
         """Like Megatron's: ft_integration.setup() parses argv without the extra provider, then
-        initialize_megatron parses it with it; then one forward/loss."""
+        initialize_megatron parses it with it (both through megatron.training.arguments.parse_args,
+        as Megatron's modules call it); then one forward/loss."""
         self.pretrain_calls += 1
-        _parse_args(ignore_unknown_args=True)
-        self.args = _parse_args(extra_args_provider)
+        self.arguments.parse_args(ignore_unknown_args=True)
+        self.args = self.arguments.parse_args(extra_args_provider)
         output, loss_fn = forward_step_func(None, None)
         self.result = loss_fn(output)
 
@@ -212,7 +213,7 @@ def test_install_with_a_missing_package_names_it_and_the_extra_not_pythonpath(mo
 
 
 def test_setup_pys_megatron_lm_extra_installs_every_package_megatron_lms_entry_point_needs(monkeypatch):
-    """The extra is the recorded list (test_megatron_lm_checkout.py checks the list against a checkout)."""
+    """The extra is the union of every recorded ref's list (test_megatron_lm_checkout.py checks each)."""
     import runpy
     from pathlib import Path
 
@@ -222,8 +223,8 @@ def test_setup_pys_megatron_lm_extra_installs_every_package_megatron_lms_entry_p
     monkeypatch.setattr(setuptools, "setup", lambda **kw: seen.update(kw))
     runpy.run_path(str(Path(__file__).resolve().parents[2] / "setup.py"))
     wanted = {"pydantic", "wandb", "tensorboard", "flask_restful", "tiktoken", "sentencepiece", "triton",
-              "transformers", "fastapi", "uvicorn", "httpx", "datasets", "six", "regex", "tqdm"}
-    assert set(mlm.API["entry_point_requirements"]) == wanted
+              "transformers", "fastapi", "uvicorn", "httpx", "datasets", "six", "regex", "tqdm", "openai"}
+    assert set(entry_point_requirements()) == wanted
     assert sorted(seen["extras_require"]["megatron-lm"]) == patch.megatron_lm_extra()
     assert {r.split(">")[0].replace("-", "_") for r in patch.megatron_lm_extra()} == wanted
 
