@@ -57,8 +57,8 @@ def _record(captured: dict, layer, weight) -> None:
 
 def hidden_states_processor(captured: dict):
     """GPTModel's output_processor for the fused head: returns the hidden states [b, s(/tp), h]
-    in place of the logits (the layout GPTModel gives its logits), after MuP's logit multiplier
-    (a scalar, so scaling the hidden states scales the logits the fused head makes alike)."""
+    in place of the logits (the layout GPTModel gives its logits; a view, not a copy), after
+    MuP's logit multiplier: a scalar, so it scales the fused head's logits by the same factor."""
     def output_processor(*, hidden_states, output_layer, output_weight, scale_logits, **_):
         _record(captured, output_layer, output_weight)
         return scale_logits(hidden_states).transpose(0, 1)
