@@ -1,4 +1,4 @@
-"""Megatron-LM drop-in: recorded 0.16 API, numerics against Megatron-LM's formula and our losses,
+"""Megatron-LM drop-in: the recorded APIs, numerics against Megatron-LM's formula and our losses,
 and the measured bf16 logprob rounding that docs/integration.md section 2 quotes.
 
 No Megatron-LM checkout needed; tests/unit/test_megatron_lm_patch.py covers install() and the

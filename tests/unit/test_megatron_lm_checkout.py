@@ -89,9 +89,11 @@ def test_flags_the_dropin_reads_and_the_docs_pass_exist_in_the_checkout(checkout
     record = _record(checkout)
     defaults = checkout.flag_defaults()
     assert {k: defaults.get(k, "MISSING") for k in record["args"]} == record["args"]
-    doc_flags = set(re.findall(r"--((?:rl|grpo|perform-rl)[a-z0-9-]*)", DOCS.read_text()))
-    assert doc_flags and not {f for f in doc_flags if f.replace("-", "_") not in defaults}, \
-        "docs/integration.md passes a Megatron-LM flag this checkout does not have"
+    commands = "".join(re.findall(r"```bash\n(.*?)```", DOCS.read_text(), re.S))
+    doc_flags = set(re.findall(r"--((?:rl|grpo|perform-rl)[a-z0-9-]*)", commands))
+    assert "perform-rl-step" in doc_flags
+    assert not {f for f in doc_flags if f.replace("-", "_") not in defaults}, \
+        "a command in docs/integration.md passes a Megatron-LM flag this checkout does not have"
 
 
 # Needed by train_rl.py but installed with megatron_cispo itself (torch, megatron-core, pyyaml).
@@ -178,21 +180,40 @@ def test_the_megatron_lm_extra_covers_what_the_checkouts_train_rl_imports(checko
         assert hits, f"nothing in the checkout imports {name}: drop it from the extra"
 
 
-def _launch(root, args, env_extra, timeout=600):
+# Megatron-LM 0.19+ imports typing.override (Python 3.12). On 3.11 the launcher tests give it
+# typing_extensions' through a plugin the launcher imports first; test-only, nothing ships it.
+TYPING_SHIM = (
+    "import typing\n"
+    "import typing_extensions\n"
+    "if not hasattr(typing, 'override'):\n"
+    "    typing.override = typing_extensions.override\n")
+# Just enough for 0.18+'s parse_and_validate_args, which train_rl.py runs before pretrain asserts CUDA.
+MODEL_ARGS = ["--micro-batch-size", "1", "--global-batch-size", "1", "--num-layers", "2", "--hidden-size", "64",
+              "--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings", "64",
+              "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--train-iters", "1"]
+
+
+def _launch(root, args, tmp, plugins=(), timeout=600):
     missing = [n for n in api.entry_point_requirements() if importlib.util.find_spec(n) is None]
     if missing:
         pytest.skip(f"the extra [megatron-lm] is not installed (missing {', '.join(missing)}): "
                     'pip install "megatron_cispo[megatron-lm]"')
+    (tmp / "py312_typing.py").write_text(TYPING_SHIM)
     repo = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **env_extra}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (env_extra.get("PYTHONPATH"), repo, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+           "MEGATRON_CISPO_PLUGINS": ",".join(["py312_typing", *plugins])}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tmp), repo, os.environ.get("PYTHONPATH")) if p)
     return subprocess.run([sys.executable, "-m", "megatron_cispo.integrations.megatron_lm.run",
                            str(Path(root) / "train_rl.py"), *args], cwd=root, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 
-def test_launcher_help_on_the_checkout_lists_megatrons_and_the_cispo_flags(checkout):
-    proc = _launch(checkout.root, ["--help"], {})
+def test_launcher_help_on_the_checkout_lists_megatrons_and_the_cispo_flags(checkout, tmp_path):
+    proc = _launch(checkout.root, ["--help"], tmp_path)
+    if proc.returncode and "_expand_help" in proc.stderr and "unsupported format character" in proc.stderr:
+        # 0.19.0 and main: Megatron's own --help raises, without megatron_cispo too (a bare '%' in
+        # --moe-paged-stash-buffer-size-factor-cuda's help); ours format (test_megatron_lm_patch.py).
+        pytest.xfail("Megatron-LM's own --help raises ValueError at this ref (a '%' in one of its help strings)")
     assert proc.returncode == 0, proc.stderr[-3000:]
     for flag in ("--perform-rl-step", "--grpo-kl-beta", *mlm.settings.FLAGS, mlm.settings.TEMPERATURE_FLAG):
         assert flag in proc.stdout, flag
@@ -200,21 +221,29 @@ def test_launcher_help_on_the_checkout_lists_megatrons_and_the_cispo_flags(check
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU train_rl.py would start training")
 def test_launcher_patches_the_checkouts_rl_utils_and_train_rl_stops_at_megatrons_cuda_assert(checkout, tmp_path):
-    """On CPU: train_rl.py loads with the extra, install() accepts the real modules, and pretrain
+    """On CPU: train_rl.py loads with the extra, install() accepts the real modules, Megatron parses
+    the --cispo-* flags with its own (0.18+: train_rl.py's parse before pretrain), and pretrain
     reaches initialize_megatron, which asserts CUDA."""
     (tmp_path / "report_patch.py").write_text(
         "import atexit, sys\n"
         "def _report():\n"
         "    from megatron_cispo.integrations import megatron_lm as m\n"
         "    rl, tr = sys.modules['megatron.rl.rl_utils'], sys.modules['megatron.training']\n"
+        "    try:\n"
+        "        anchor = tr.get_args().cispo_anchor\n"
+        "    except AssertionError:  # <= 0.17 parses after the CUDA assert\n"
+        "        anchor = 'unparsed'\n"
         "    print('PATCHED', rl.calculate_grpo_loss is m.calculate_grpo_loss, rl.get_logprobs is m.get_logprobs,\n"
-        "          hasattr(tr.pretrain, '__wrapped__'), flush=True)\n"
+        "          hasattr(tr.pretrain, '__wrapped__'), m.installed()['megatron_lm_tag'], anchor, flush=True)\n"
         "atexit.register(_report)\n")
-    proc = _launch(checkout.root, ["--perform-rl-step", "--cispo-anchor", "rollout"],
-                   {"PYTHONPATH": str(tmp_path), "MEGATRON_CISPO_PLUGINS": "report_patch"})
+    proc = _launch(checkout.root, ["--perform-rl-step", "--cispo-anchor", "rollout", *MODEL_ARGS], tmp_path,
+                   plugins=["report_patch"])
     assert proc.returncode != 0
     assert "Megatron requires CUDA" in proc.stderr and "initialize_megatron" in proc.stderr, proc.stderr[-3000:]
-    assert "PATCHED True True True" in proc.stdout, proc.stdout[-2000:]
+    record = _record(checkout)
+    anchor = "unparsed" if api.flags_via_pretrain(record) else "rollout"
+    want = f"PATCHED True True True {record['megatron_lm_tag']} {anchor}"
+    assert want in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
 def test_dropin_ppo_reproduces_the_checkouts_calculate_grpo_loss(checkout):

@@ -42,8 +42,8 @@ def ref_name(record: dict) -> str:
     return f"{tag}@{record['megatron_lm_commit'][:10]}" if tag == "main" else tag
 
 
-def known_refs(records=RECORDS) -> str:
-    return ", ".join(ref_name(r) for r in records)
+def known_refs() -> str:
+    return ", ".join(ref_name(r) for r in RECORDS)
 
 
 def found_version() -> str:
@@ -98,11 +98,11 @@ def logprobs_features(get_logprobs: Optional[Callable]) -> dict:
     return {"unpacked_thd": None if thd is None else list(thd), "context_parallel": cp}
 
 
-def _refuse(module: Any, what: str, problem: str, records) -> MegatronLMVersionError:
+def _refuse(module: Any, what: str, problem: str) -> MegatronLMVersionError:
     where = getattr(module, "__file__", None) or getattr(module, "__name__", module)
     return MegatronLMVersionError(
         f"megatron_cispo does not know this Megatron-LM's RL API: {what} {problem}, which none of the refs "
-        f"it knows has ({known_refs(records)}). Found megatron-core {found_version()} ({where}). Use one of "
+        f"it knows has ({known_refs()}). Found megatron-core {found_version()} ({where}). Use one of "
         "those refs, or integrate by hand (docs/integration.md, 'in-house fork').")
 
 
@@ -119,14 +119,14 @@ def detect(rl: Any, training: Any = None, arguments: Any = None) -> dict:
     have = [r for r in left if not missing[ref_name(r)]]
     if not have:
         closest = min(missing.values(), key=len)
-        raise _refuse(rl, rl.__name__, f"lacks {', '.join(closest)}", left)
+        raise _refuse(rl, rl.__name__, f"lacks {', '.join(closest)}")
     left = have
 
     def narrow(module, name, found, expected, describe):
         nonlocal left
         match = [r for r in left if expected(r) == found]
         if not match:
-            raise _refuse(module, f"{module.__name__}.{name}", describe(expected(left[-1])), left)
+            raise _refuse(module, f"{module.__name__}.{name}", describe(expected(left[-1])))
         left = match
 
     for name in ("calculate_grpo_loss", "get_logprobs"):
@@ -141,7 +141,7 @@ def detect(rl: Any, training: Any = None, arguments: Any = None) -> dict:
             continue
         fn = original(module, name, None)
         if fn is None:
-            raise _refuse(module, module.__name__, f"has no {name}", left)
+            raise _refuse(module, module.__name__, f"has no {name}")
         params = describe_params(fn)
         narrow(module, name, params, lambda r, n=name: r[n]["params"],
                lambda want, p=params: f"has a different signature ({signature_mismatch(p, want)})")
