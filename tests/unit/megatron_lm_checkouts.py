@@ -242,3 +242,58 @@ def cp2_worker(root: str) -> dict:
                          "cp1": logprobs_pair(root, None, packed)["ours"]["lp"]} for packed in (False, True)}
     finally:
         dist.destroy_process_group()
+
+
+def standin_cp2_worker() -> list:
+    """No checkout: a main-like rl_utils (its get_logprobs splits CP; the split below does what
+    main's _scatter_for_context_parallel does) and the drop-in's get_logprobs at CP 2 over gloo,
+    against log_softmax of the full sequence on this rank: the logprobs, and the gradient summed over
+    the CP ranks (each rank's all-gather backward sums both ranks' losses: 2x the full sequence's).
+    Returns per-rank errors and token counts."""
+    import torch.distributed as dist
+
+    from megatron_cispo.config import LossConfig
+    from megatron_cispo.integrations import megatron_lm as mlm
+
+    dist.init_process_group("gloo")
+    group, rank = dist.group.WORLD, dist.get_rank()
+
+    def scatter(tokens, position_ids, packed_seq_params, cp_group):
+        s, cp = tokens.shape[1], dist.get_world_size(cp_group)
+        perm = torch.cat([thd_get_partitioned_indices(packed_seq_params.cu_seqlens_q, s, cp, r) for r in range(cp)]).long()
+        mine = perm[dist.get_rank(cp_group) * s // cp:(dist.get_rank(cp_group) + 1) * s // cp]
+        labels = torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)
+        return (tokens[:, mine], position_ids[:, mine], packed_seq_params, labels[:, mine],
+                types.SimpleNamespace(cp_group=cp_group, inverse_gather_perm=torch.argsort(perm)))
+
+    def main_get_logprobs(model, tokens, position_ids, no_grad=False, sequence_packing=False, packed_seq_params=None):
+        PackedSeqParams(qkv_format="thd", cu_seqlens_q=0, cu_seqlens_kv=0, max_seqlen_q=0, max_seqlen_kv=0,  # noqa: F821
+                        pad_between_seqs=False)
+        _scatter_for_context_parallel(tokens, position_ids, packed_seq_params, None)  # noqa: F821
+
+    from megatron.core.packed_seq_params import PackedSeqParams as Core  # 0.16.1's lacks pad_between_seqs
+
+    rl = types.ModuleType("megatron.rl.rl_utils")
+    rl.PackedSeqParams = lambda **kw: Core(**{k: v for k, v in kw.items() if k in Core.__dataclass_fields__})
+    rl.get_logprobs, rl._scatter_for_context_parallel = main_get_logprobs, scatter
+    rl.get_args = lambda: types.SimpleNamespace(fp16=False, bf16=False)
+    rl.get_attr_wrapped_model = lambda model, attr: getattr(model, attr)
+    rl.is_pp_last_stage = lambda pp: True
+    sys.modules.update({"megatron.rl": types.ModuleType("megatron.rl"), "megatron.rl.rl_utils": rl})
+    try:
+        mlm.configure(LossConfig(head="logits"), temperature=1.0)
+        tokens = torch.randint(0, 13, (2, 8), generator=torch.Generator().manual_seed(1))
+        positions = torch.arange(8).expand(2, 8)
+        gpt = PositionwiseGPT(types.SimpleNamespace(pp=None, tp=None, cp=group))
+        lp = mlm.get_logprobs(gpt, tokens, positions)
+        lp.sum().backward()
+        split_grad = gpt.emb.grad.clone()  # this rank's positions only; DDP sums the CP ranks'
+        dist.all_reduce(split_grad)
+        gpt.emb.grad, gpt.config.flash_decode = None, False  # the reference forward, by hand
+        full = torch.log_softmax(gpt(tokens, positions, None)[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
+        full.sum().backward()  # the all-gather's backward sums the 2 ranks' (identical) losses
+        return [(lp - full).abs().max().item(), (split_grad - 2 * gpt.emb.grad).abs().max().item(),
+                [n for _, n in gpt.seen], rank]
+    finally:
+        mlm.configure(None)
+        dist.destroy_process_group()

@@ -210,3 +210,15 @@ def test_vocab_logprobs_refuses_a_packed_seq_params_keyword_it_has_no_value_for(
     rl = types.SimpleNamespace(PackedSeqParams=PackedSeqParams)
     with pytest.raises(mlm.MegatronLMVersionError, match="get_logprobs builds PackedSeqParams with seq_idx"):
         vocab_logprobs.single_sequence_params(rl, torch.zeros(1, 3, dtype=torch.long), ["seq_idx"])
+
+
+def test_get_logprobs_splits_context_parallelism_where_megatrons_does_and_gathers_the_full_sequence():
+    """main (#5882): each CP rank runs its half of the tokens; the all-gathered logprobs equal the
+    full sequence's, and the ranks' gradients sum to the full sequence's summed over their losses."""
+    from megatron_cispo.testing import spawn
+
+    from megatron_lm_checkouts import standin_cp2_worker
+
+    for lp_err, grad_err, seen, rank in spawn(standin_cp2_worker, 2, timeout_s=300):
+        assert lp_err < 1e-6 and grad_err < 1e-5, (rank, lp_err, grad_err)
+        assert seen == [4, 8], rank  # the drop-in's call ran half the tokens; the reference all 8
