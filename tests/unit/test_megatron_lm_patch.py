@@ -229,14 +229,19 @@ def test_setup_pys_megatron_lm_extra_installs_every_package_megatron_lms_entry_p
     assert {r.split(">")[0].replace("-", "_") for r in patch.megatron_lm_extra()} == wanted
 
 
-def test_launcher_reports_a_missing_package_in_one_line_and_exits_2(monkeypatch, tmp_path, capsys):
-    _megatron_rl_importing(monkeypatch, tmp_path, "pydantic")
+def launch_refused(monkeypatch, tmp_path, capsys) -> str:
+    """Run the launcher on a train_rl.py that must not run; assert exit 2; return its stderr."""
     script = tmp_path / "train_rl.py"
     script.write_text("raise AssertionError('the script must not run when install() failed')\n")
     monkeypatch.setattr(sys, "argv", ["run"])
     monkeypatch.setattr(sys, "path", list(sys.path))
     assert launcher.main([str(script)]) == 2
-    err = capsys.readouterr().err.strip()
+    return capsys.readouterr().err.strip()
+
+
+def test_launcher_reports_a_missing_package_in_one_line_and_exits_2(monkeypatch, tmp_path, capsys):
+    _megatron_rl_importing(monkeypatch, tmp_path, "pydantic")
+    err = launch_refused(monkeypatch, tmp_path, capsys)
     assert len(err.splitlines()) == 1 and "pydantic" in err and "Traceback" not in err
 
 

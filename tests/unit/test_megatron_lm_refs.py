@@ -194,15 +194,10 @@ def test_an_api_no_recorded_ref_has_is_refused_in_one_line_naming_the_function_a
 
 
 def test_the_launcher_says_an_unknown_api_in_one_line_and_exits_2(monkeypatch, tmp_path, capsys):
-    from megatron_cispo.integrations.megatron_lm import run as launcher
+    from test_megatron_lm_patch import launch_refused
 
     _Ref(monkeypatch, api.RECORDS[-1], thd=["seq_idx"])
-    script = tmp_path / "train_rl.py"
-    script.write_text("raise AssertionError('the script must not run when install() failed')\n")
-    monkeypatch.setattr(sys, "argv", ["run"])
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    assert launcher.main([str(script)]) == 2
-    err = capsys.readouterr().err.strip()
+    err = launch_refused(monkeypatch, tmp_path, capsys)
     assert len(err.splitlines()) == 1 and "get_logprobs" in err and "main@d98e8a64dd" in err
 
 
