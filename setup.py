@@ -16,16 +16,22 @@ from setuptools import find_packages, setup
 _APIS = (Path(__file__).resolve().parent / "megatron_cispo" / "integrations").glob("megatron_lm_api_*.json")
 MEGATRON_LM = sorted({r for p in _APIS for r in json.loads(p.read_text())["entry_point_requirements"].values()})
 
+# The megatron-core releases supported (megatron_cispo/mcore.py SUPPORTED; CI runs 0.16.1 and 0.19.2):
+# [low, high). install_requires keeps only the floor, so a newer release still installs, and
+# `import megatron_cispo` warns once naming this range instead of pip refusing it.
+MEGATRON_CORE_SUPPORTED = ("0.16.1", "0.20.0")
+
 setup(
     name="megatron_cispo",
     version="0.1.0",
-    description="CISPO policy loss plugin for Megatron-style RL training",
+    description="CISPO policy loss plugin for Megatron-style RL training "
+                f"(megatron-core >={MEGATRON_CORE_SUPPORTED[0]},<{MEGATRON_CORE_SUPPORTED[1]})",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_cispo", "megatron_cispo.*"]),
     package_data={"megatron_cispo": ["integrations/*.json", "megatron_core_names.txt"]},
     install_requires=[
         "torch>=2.4",
-        "megatron-core>=0.16.1,<0.20.0",  # megatron_cispo/mcore.py: SUPPORTED; CI runs 0.16.1 and 0.19.2
+        f"megatron-core>={MEGATRON_CORE_SUPPORTED[0]}",
         "pyyaml>=6",
         "numpy",
     ],

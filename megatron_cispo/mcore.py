@@ -59,7 +59,7 @@ def warn_if_untested() -> None:
     if version is not None and not SUPPORTED[0] <= version < SUPPORTED[1]:
         warnings.warn(f"megatron_cispo supports megatron-core >={version_str(SUPPORTED[0])},<"
                       f"{version_str(SUPPORTED[1])} (tested: {', '.join(TESTED)}); found {version_str(version)}. "
-                      "Run the test suite (bash tests/run.sh) before training on it.", stacklevel=3)
+                      "Run the test suite (bash tests/run.sh) before training on it.", stacklevel=2)
 
 
 def names(scope: str = "all") -> list[tuple[str, bool]]:
@@ -69,19 +69,36 @@ def names(scope: str = "all") -> list[tuple[str, bool]]:
     for line in NAMES_FILE.read_text().splitlines():
         if not line.strip() or line.startswith("#"):
             continue
-        name, kind, users = line.split(maxsplit=2)
+        name, kind, _files = line.split(maxsplit=2)
         if scope == "library" and kind.endswith("runner"):
             continue
         out.append((name, not kind.startswith("optional")))
     return out
 
 
+class MegatronCoreMissing(ImportError):
+    """The installed megatron-core lacks names this package needs, or cannot be imported (one line)."""
+
+
+def import_failed(module: str, err: ModuleNotFoundError) -> MegatronCoreMissing:
+    """One line for `import module` failing on a package megatron-core needs (e.g. triton, which
+    0.18+ imports bare) rather than on megatron-core's own module."""
+    return MegatronCoreMissing(f"import {module} (megatron-core {version_str()}) failed: it needs the module "
+                               f"{err.name!r}, which is not installed; pip install {err.name} (torch pinned)")
+
+
 def resolve(dotted: str):
-    """Import `a.b.c.name` as a module, or as an attribute of the longest importable prefix."""
+    """Import `a.b.c.name` as a module, or as an attribute of the longest importable prefix; a module
+    that fails on a missing dependency raises MegatronCoreMissing (import_failed)."""
     parts = dotted.split(".")
     for cut in range(len(parts), 1, -1):
+        module = ".".join(parts[:cut])
         try:
-            obj = importlib.import_module(".".join(parts[:cut]))
+            obj = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name and not (module == e.name or module.startswith(e.name + ".")):
+                raise import_failed(module, e) from None
+            continue
         except ImportError:
             continue
         for attr in parts[cut:]:
@@ -101,13 +118,12 @@ def missing_names(scope: str = "all") -> list[str]:
     return missing
 
 
-class MegatronCoreMissing(ImportError):
-    """The installed megatron-core lacks names this package needs (one line, naming them)."""
-
-
 @lru_cache(maxsize=2)
 def require_names(scope: str = "library") -> None:
     """Raise MegatronCoreMissing naming every required megatron-core name that is missing."""
+    if installed_version() is None:
+        raise MegatronCoreMissing(f"megatron-core is not installed: megatron_cispo needs megatron-core"
+                                  f">={version_str(SUPPORTED[0])} (tested: {', '.join(TESTED)})")
     missing = missing_names(scope)
     if missing:
         raise MegatronCoreMissing(f"megatron-core {version_str()} lacks {', '.join(missing)}, which megatron_cispo uses "

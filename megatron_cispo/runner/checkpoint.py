@@ -187,6 +187,12 @@ def resume_point(run_dir: str | os.PathLike) -> Path | None:
     return None if decision[0] is None else Path(decision[0])
 
 
+def _other_writer(info: dict) -> bool:
+    """Whether another megatron-core wrote the checkpoint; markers from before versions were recorded
+    (no "megatron_core" key) were written in the common.pt layout, which every release here reads."""
+    return "megatron_core" in info and info["megatron_core"] != files_.megatron_core_version()
+
+
 def _written_by(info: dict) -> str:
     """Which megatron-core wrote a checkpoint, from its marker (not recorded before 0.19 was supported)."""
     return f"megatron-core {info['megatron_core']}" if "megatron_core" in info else "an unrecorded megatron-core"
@@ -238,7 +244,7 @@ def _load_error(path: Path, info: dict, e: BaseException) -> str:
             or "shape mismatch" in str(cause).lower():
         settings = f" (its settings: {path / files_.CONFIG})" if (path / files_.CONFIG).is_file() else ""
         text += f"; it was saved by another model or optimizer{settings}"
-    if info.get("megatron_core") != files_.megatron_core_version():
+    if _other_writer(info):
         text += f"; it was written by {_written_by(info)}, this is megatron-core {files_.megatron_core_version()}"
     return text
 
@@ -271,7 +277,7 @@ def load(path: Path, *, chunks, optimizer, shared: dict) -> int:
     if not same_layout and _rank() == 0:
         print(f"note: {path} was saved at {_describe(info.get('layout', {}))}; the model and optimizer are "
               f"resharded to {_describe(_layout())}, RNG states stay as seeded by run.seed", flush=True)
-    if info.get("megatron_core") != files_.megatron_core_version() and _rank() == 0:
+    if _other_writer(info) and _rank() == 0:
         print(f"note: {path} was written by {_written_by(info)}; loading it with megatron-core "
               f"{files_.megatron_core_version()}", flush=True)
     state, error, cause = None, None, None

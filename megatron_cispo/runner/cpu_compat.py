@@ -16,6 +16,8 @@ import torch
 from torch.autograd.function import BackwardCFunction
 from torch.overrides import TorchFunctionMode
 
+from ..mcore import import_failed
+
 _MISSING = object()
 
 
@@ -40,6 +42,10 @@ def import_megatron_core() -> None:
     torch.compile = _eager
     try:
         import megatron.core  # noqa: F401 - loaded for its side effect: jit_fuser bound to _eager
+    except ModuleNotFoundError as e:
+        if e.name not in ("megatron", "megatron.core"):  # a dependency: say which, in one line
+            raise import_failed("megatron.core", e) from None
+        # not installed at all: mcore.require_names, next, says so in one line
     finally:
         torch.compile = compile_
 

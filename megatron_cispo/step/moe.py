@@ -27,9 +27,11 @@ The coefficients are scaled while the schedule runs (the router reads them at fo
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import inspect
+import textwrap
 import warnings
 from typing import Iterator, Optional
 
@@ -46,15 +48,16 @@ GROUP_COUNTED = ("aux_loss", "seq_aux_loss")  # aux-loss kinds whose token count
 
 
 def _megatron_version() -> tuple[int, int]:
-    from megatron.core import package_info
+    from ..mcore import installed_version
 
-    return int(package_info.MAJOR), int(package_info.MINOR)
+    return installed_version()[:2]
 
 
 @functools.cache
 def router_scales_by_group_size() -> bool:
     """Whether the installed TopKRouter carries PR #5047 (core_v0.19.0): it multiplies the losses
-    it attaches by its tp_cp_group size, where 0.16-0.18 name no group size in that method.
+    it attaches by its tp_cp_group size, where 0.16-0.18 name no group size in that method. The
+    same PR changed the z-loss's scale (apply_z_loss; read in 0.19.0 and main), so one probe serves.
     Read off the installed source (the release number only where no source is shipped), so a
     newer release gets the newest behaviour read; it also warns once (rank 0), as the table
     may no longer hold there."""
@@ -65,10 +68,11 @@ def router_scales_by_group_size() -> bool:
         warnings.warn(f"megatron-core {version[0]}.{version[1]}: the MoE aux/z-loss scaling under TP x CP was "
                       "read for 0.16-0.19 and main d98e8a64dd only (step/moe.py); check it with "
                       "tests/distributed/test_moe_aux_loss.py", stacklevel=2)
-    try:
-        return "tp_cp_group.size()" in inspect.getsource(TopKRouter.attach_and_log_load_balancing_loss)
+    try:  # the code only: 0.19's comments name tp_cp_group.size() too
+        source = ast.unparse(ast.parse(textwrap.dedent(inspect.getsource(TopKRouter.attach_and_log_load_balancing_loss))))
     except (OSError, TypeError):
         return version >= (0, 19)
+    return "self.tp_cp_group.size()" in source
 
 
 def loss_factors(config, *, padding_mask: bool) -> tuple[float, float]:

@@ -39,3 +39,11 @@ def test_a_common_pt_checkpoint_needs_no_common_strategy_on_any_release(tmp_path
     for writes_common_pt in (True, False):
         monkeypatch.setattr(checkpoint_files, "writes_common_pt", lambda: writes_common_pt)
         assert checkpoint._common_strategy(tmp_path, {}) is None
+
+
+def test_only_a_checkpoint_recorded_as_another_releases_is_called_cross_version(monkeypatch):
+    # markers written before the version was recorded came from this code's common.pt layout: no note
+    monkeypatch.setattr(checkpoint_files, "megatron_core_version", lambda: "0.16.1")
+    assert not checkpoint._other_writer({"step": 2})
+    assert not checkpoint._other_writer({"step": 2, "megatron_core": "0.16.1"})
+    assert checkpoint._other_writer({"step": 2, "megatron_core": "0.19.2"})

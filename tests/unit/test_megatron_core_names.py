@@ -9,6 +9,7 @@ regenerate the list:
     .venv/bin/python tests/unit/test_megatron_core_names.py --write
 """
 import ast
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -131,6 +132,38 @@ def test_a_missing_name_is_one_import_error_line_naming_it_and_the_tested_versio
     mcore.require_names.cache_clear()
 
 
+def test_a_dependency_megatron_core_cannot_import_is_one_line_naming_it(tmp_path, monkeypatch):
+    # as megatron-core >= 0.18 without triton: its module imports, bare, a package that is absent
+    pkg = tmp_path / "fake_mcore_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "needs_dep.py").write_text("import no_such_dependency_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(mcore.MegatronCoreMissing) as err:
+        mcore.resolve("fake_mcore_pkg.needs_dep.thing")
+    assert "'no_such_dependency_xyz', which is not installed" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(ImportError):  # a module of megatron-core's own that is absent: a missing name
+        mcore.resolve("fake_mcore_pkg.no_such_module.thing")
+
+
+def test_the_cpu_import_of_megatron_core_names_a_missing_dependency_in_one_line():
+    code = ("import sys; sys.modules['packaging'] = None\n"  # megatron.core imports it, bare, on both tiers
+            "from megatron_cispo.runner.cpu_compat import import_megatron_core\n"
+            "import_megatron_core()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "MegatronCoreMissing: import megatron.core (megatron-core" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_no_megatron_core_at_all_is_one_line(monkeypatch):
+    monkeypatch.setattr(mcore, "installed_version", lambda: None)
+    mcore.require_names.cache_clear()
+    with pytest.raises(mcore.MegatronCoreMissing, match=r"^megatron-core is not installed: megatron_cispo needs "
+                                                        r"megatron-core>=0.16.1 \(tested: 0.16.1, 0.19.2\)$"):
+        mcore.require_names("library")
+    mcore.require_names.cache_clear()
+
+
 def test_the_installed_version_is_read_without_importing_megatron_core():
     import megatron.core.package_info as info  # the truth, imported here only to compare
 
@@ -149,10 +182,11 @@ def test_a_version_outside_the_supported_range_warns_once_naming_the_range(monke
         assert ">=0.16.1,<0.20.0" in str(caught[0].message) and "0.19.2" in str(caught[0].message)
 
 
-def test_setup_py_declares_the_supported_range():
+def test_setup_py_declares_the_supported_range_and_requires_only_its_floor():
     setup_py = (PKG.parent / "setup.py").read_text()
-    assert f'"megatron-core>={mcore.version_str(mcore.SUPPORTED[0])},<{mcore.version_str(mcore.SUPPORTED[1])}"' \
-        in setup_py
+    low, high = (mcore.version_str(v) for v in mcore.SUPPORTED)
+    assert f'MEGATRON_CORE_SUPPORTED = ("{low}", "{high}")' in setup_py
+    assert 'f"megatron-core>={MEGATRON_CORE_SUPPORTED[0]}",' in setup_py  # newer: a warning, not a refusal
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
