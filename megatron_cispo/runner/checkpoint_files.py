@@ -137,7 +137,8 @@ def common_state_object(data=None, replica_id: int = 0):
 
 def read_common_state(directory: Path) -> dict:
     """The common state of a checkpoint whose shards hold it (written by megatron-core 0.19+); works
-    with any megatron-core, in one process (no collectives). `verify` checks that the shards hold one."""
+    with any megatron-core, in one process (no collectives): 0.16 has no reader for that layout, and
+    0.19's own (serialization.load_common_state_dict) is a collective. `verify` checks that one exists."""
     from torch.distributed import checkpoint as dcp
 
     key = common_state_object().unique_key
@@ -207,8 +208,8 @@ def verify(directory: Path) -> str | None:
         if path.is_file():
             torch.load(path, map_location="cpu", weights_only=False, mmap=True)
         elif key in metadata.state_dict_metadata:  # written by megatron-core 0.19+: in the shards
-            path = directory / next(item.relative_path for index, item in metadata.storage_data.items()
-                                    if index.fqn == key)
+            path = directory / next((item.relative_path for index, item in metadata.storage_data.items()
+                                     if index.fqn == key), ".metadata")  # no storage entry: the index is bad
             read_common_state(directory)
         else:
             return f"{path}: missing, and {directory / '.metadata'} lists no {COMMON_STATE} object either"
