@@ -137,8 +137,9 @@ def common_state_object(data=None, replica_id: int = 0):
 
 def read_common_state(directory: Path) -> dict:
     """The common state of a checkpoint whose shards hold it (written by megatron-core 0.19+); works
-    with any megatron-core, in one process (no collectives): 0.16 has no reader for that layout, and
-    0.19's own (serialization.load_common_state_dict) is a collective. `verify` checks that one exists."""
+    with any megatron-core, in one process (no collectives). 0.19+ reads it with
+    serialization.load_common_state_dict; 0.16 has no reader for that layout, hence this one, through
+    torch.distributed.checkpoint's public load. `verify` checks that one exists."""
     from torch.distributed import checkpoint as dcp
 
     key = common_state_object().unique_key
