@@ -113,6 +113,8 @@ def missing_names(scope: str = "all") -> list[str]:
         if required:
             try:
                 resolve(name)
+            except MegatronCoreMissing:
+                raise  # a missing dependency: its own line, not a list of the names behind it
             except (ImportError, AttributeError):
                 missing.append(name)
     return missing
@@ -126,5 +128,5 @@ def require_names(scope: str = "library") -> None:
                                   f">={version_str(SUPPORTED[0])} (tested: {', '.join(TESTED)})")
     missing = missing_names(scope)
     if missing:
-        raise MegatronCoreMissing(f"megatron-core {version_str()} lacks {', '.join(missing)}, which megatron_cispo uses "
-                          f"(tested: {', '.join(TESTED)}); install megatron-core=={TESTED[-1]}")
+        raise MegatronCoreMissing(f"megatron-core {version_str()} lacks {', '.join(missing)}, which megatron_cispo "
+                                  f"uses (tested: {', '.join(TESTED)}); install megatron-core=={TESTED[-1]}")

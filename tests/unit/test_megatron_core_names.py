@@ -144,6 +144,13 @@ def test_a_dependency_megatron_core_cannot_import_is_one_line_naming_it(tmp_path
     assert "'no_such_dependency_xyz', which is not installed" in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(ImportError):  # a module of megatron-core's own that is absent: a missing name
         mcore.resolve("fake_mcore_pkg.no_such_module.thing")
+    names = tmp_path / "names.txt"
+    names.write_text("fake_mcore_pkg.needs_dep.thing required:library step.py\n")
+    monkeypatch.setattr(mcore, "NAMES_FILE", names)
+    mcore.require_names.cache_clear()
+    with pytest.raises(mcore.MegatronCoreMissing, match="'no_such_dependency_xyz', which is not installed"):
+        mcore.require_names("library")  # the dependency's line, not "lacks fake_mcore_pkg.needs_dep.thing"
+    mcore.require_names.cache_clear()
 
 
 def test_the_cpu_import_of_megatron_core_names_a_missing_dependency_in_one_line():
