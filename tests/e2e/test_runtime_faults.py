@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 from e2e_helpers import DEMO, ROOT, TINY, Job, env, metrics, torchrun
 from megatron_cispo.runner import preempt
@@ -157,13 +158,21 @@ def test_ctrl_c_and_sighup_finish_the_step_write_a_checkpoint_and_resume_runs_to
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, 41))
 
 
-def _launch_script(run_dir, log, overrides, *, extra_env=None, preexec_fn=None) -> subprocess.Popen:
-    """`bash launch/single_node.sh` on 2 CPU ranks in its own process group (a terminal's job), output to `log`."""
+@contextlib.contextmanager
+def _launch_script(run_dir, log, overrides, *, extra_env=None, preexec_fn=None) -> Iterator[subprocess.Popen]:
+    """`bash launch/single_node.sh` on 2 CPU ranks in its own process group (a terminal's job), output to `log`;
+    the group is killed on the way out if it still runs (a failed assertion leaves no job behind)."""
     with open(log, "w") as f:
-        return subprocess.Popen(["bash", "launch/single_node.sh", *_args(run_dir, *overrides)], cwd=ROOT, stdout=f,
+        proc = subprocess.Popen(["bash", "launch/single_node.sh", *_args(run_dir, *overrides)], cwd=ROOT, stdout=f,
                                 stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec_fn,
                                 env={**env(), "NGPU": "0", "NPROC": "2", "MASTER_PORT": str(free_port()),
                                      **(extra_env or {})})
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def _wait_for_the_first_step(proc, run_dir, log) -> float:
@@ -186,8 +195,7 @@ def test_through_the_launch_script_ctrl_c_exits_5_and_a_second_one_130_with_the_
         pause = {preempt.TEST_PAUSE_ENV: "120"} if times == 2 else {}
         run_dir = tmp_path / f"ctrl_c_{times}"
         log = tmp_path / f"launch_{times}.txt"
-        proc = _launch_script(run_dir, log, ["run.steps=100000"], extra_env=pause)
-        try:
+        with _launch_script(run_dir, log, ["run.steps=100000"], extra_env=pause) as proc:
             deadline = _wait_for_the_first_step(proc, run_dir, log)
             os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: to the script's process group
             if times == 2:
@@ -196,10 +204,6 @@ def test_through_the_launch_script_ctrl_c_exits_5_and_a_second_one_130_with_the_
                     time.sleep(0.01)
                 os.killpg(proc.pid, signal.SIGINT)
             proc.wait(timeout=90)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
         text = log.read_text()
         assert proc.returncode == code, text[-3000:]
         assert "Traceback" not in text and "death signal" not in text and len(re.findall(said, text)) == 1, text[-3000:]
@@ -243,16 +247,11 @@ def test_a_nohup_launch_script_trains_on_through_a_hang_up(tmp_path):
     # nohup: SIGHUP ignored from the start. torchrun's agent would catch and forward it to the ranks
     # (which then checkpoint and stop); launch/run_torchrun.py keeps the agent from handling it.
     run_dir, log = tmp_path / "run", tmp_path / "launch.txt"
-    proc = _launch_script(run_dir, log, ["run.steps=8"],
-                          preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))  # what nohup does
-    try:
+    nohup = lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)  # noqa: E731 - what nohup does
+    with _launch_script(run_dir, log, ["run.steps=8"], preexec_fn=nohup) as proc:
         _wait_for_the_first_step(proc, run_dir, log)
         os.killpg(proc.pid, signal.SIGHUP)  # the hang-up a logout sends to the job
         proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     text = log.read_text()
     assert proc.returncode == 0 and "stopped by" not in text, text[-3000:]
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, 9))
