@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ..mcore import version_str
+
 # What reading or writing a checkpoint may raise: CheckpointException (every rank's errors, gathered)
 # is a BaseException, so `except Exception` alone lets it through.
 FAILURES = (Exception, CheckpointException)
@@ -113,9 +115,7 @@ def read_marker(directory: Path) -> dict:
 
 def megatron_core_version() -> str:
     """The installed megatron-core's version, "0.19.2" (its __version__ may end in a git hash)."""
-    from megatron.core import package_info
-
-    return package_info.__shortversion__
+    return version_str()
 
 
 def writes_common_pt() -> bool:
