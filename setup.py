@@ -3,7 +3,8 @@
 CPU machines: install torch first (`pip install torch==2.13.0`, a CPU wheel) so that the
 `torch` requirement below is already met and pip does not pull a CUDA build. GPU clusters:
 see docs/launch.md (CUDA torch, Transformer Engine, NVIDIA Apex built from source).
-Megatron-LM's own RL loop (train_rl.py) needs its packages too: pip install -e ".[megatron-lm]"
+Hugging Face checkpoints (model.hf_path): pip install -e ".[hf]" (transformers, safetensors),
+after torch likewise. Megatron-LM's own RL loop (train_rl.py) needs its packages too: pip install -e ".[megatron-lm]"
 after torch (docs/integration.md).
 """
 import json
@@ -20,6 +21,8 @@ MEGATRON_LM = sorted({r for p in _APIS for r in json.loads(p.read_text())["entry
 # [low, high). install_requires keeps only the floor, so a newer release still installs, and
 # `import megatron_cispo` warns once naming this range instead of pip refusing it.
 MEGATRON_CORE_SUPPORTED = ("0.16.1", "0.20.0")
+# transformers declares no torch requirement, so it never swaps the CPU torch for a CUDA build
+HF = ["transformers>=4.56", "safetensors>=0.4", "tokenizers>=0.21"]
 
 setup(
     name="megatron_cispo",
@@ -36,7 +39,9 @@ setup(
         "numpy",
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6"],
+        # Hugging Face model directories in and out (model.hf_path, run.export_hf, rollout.engine: hf)
+        "hf": HF,
+        "test": ["pytest>=8", "hypothesis>=6", *HF],
         "plot": ["matplotlib>=3.7"],
         "tensorboard": ["tensorboard"],
         # NVIDIA Apex is built from source (github NVIDIA/apex); the PyPI "apex" is unrelated.

@@ -34,6 +34,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
       pip "$torch_now" "triton==3.6.0"
     fi
   fi
-  pip -e ".[test,plot]"
+  # torch pinned again: nothing in the extras (transformers for one) may swap it for another build
+  pip "torch==$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')" -e ".[test,plot]"
   echo "$want" > "$stamp"
 fi

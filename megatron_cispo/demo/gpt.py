@@ -9,37 +9,12 @@ pre-LayerNorm blocks, per-head interleaved QKV, GeLU MLP or top-k MoE, untied ou
 from __future__ import annotations
 
 import math
-import re
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# Transformer Engine fuses the pre-attention/pre-MLP norms into the next linear layer.
-_TE_NAMES = {
-    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
-    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
-}
-# TEGroupedMLP keeps expert i's weights as experts.linear_fc1.weight<i>; SequentialMLP as
-# experts.local_experts.<i>.linear_fc1.weight (both [out, in] per expert).
-_GROUPED_EXPERT = re.compile(r"(.*\.experts)\.(linear_fc[12])\.(weight|bias)(\d+)")
-
-
-def canonical_names(state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Map TE-spec parameter names onto the local spec's names; other names pass through."""
-    out = {}
-    for name, t in state.items():
-        for te, local in _TE_NAMES.items():
-            if name.endswith(te):
-                name = name[: -len(te)] + local
-        grouped = _GROUPED_EXPERT.fullmatch(name)
-        if grouped:
-            prefix, linear, kind, i = grouped.groups()
-            name = f"{prefix}.local_experts.{i}.{linear}.{kind}"
-        out[name] = t
-    return out
+from ..runner.weights import canonical_names
 
 
 class TorchGPT:

@@ -9,8 +9,8 @@ layout starts from the same model; `weights.gather_full_state` inverts that. Lay
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, fields
+from typing import Literal, Optional
 
 import torch
 
@@ -40,9 +40,16 @@ class ModelConfig:
         2, "experts per token, 1..num_moe_experts (top-1 takes the softmax over all experts first)")
     moe_aux_loss_coeff: float = config_field(0.0, "load-balancing aux loss coefficient (megatron's aux_loss); 0 = off")
     moe_z_loss_coeff: float = config_field(0.0, "router z-loss coefficient; 0 = off")
+    hf_path: Optional[str] = config_field(
+        None, "A Hugging Face model directory (config.json, *.safetensors): families llama, mistral, qwen2, "
+        "qwen3, qwen3_moe. The architecture and weights come from it, and the shape keys above (vocab_size "
+        "... moe_router_topk) take its values: leave them unset (a value that differs is refused)")
 
     def __post_init__(self):
         check_field_types(self)
+        if self.hf_path is not None:
+            self._take_shape_from_hf()
+            return
         for name in ("vocab_size", "seq_length", "hidden_size", "num_layers", "num_attention_heads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
@@ -65,6 +72,38 @@ class ModelConfig:
             raise ValueError(f"model.moe_router_topk must be in [1, model.num_moe_experts="
                              f"{self.num_moe_experts}], got {self.moe_router_topk}")
 
+    def _take_shape_from_hf(self) -> None:
+        """Set the shape keys from config.json; one left at its default takes the file's value, one
+        set to another value is refused (ValueError naming both)."""
+        from ..hf.arch import read_arch
+
+        arch = read_arch(self.hf_path)
+        for name, value in _hf_shape(arch).items():
+            mine, default = getattr(self, name), _DEFAULTS[name]
+            if mine != default and mine != value:
+                raise ValueError(f"model.{name}={mine} conflicts with model.hf_path: {self.hf_path}/config.json "
+                                 f"gives {value}; remove model.{name}")
+            object.__setattr__(self, name, value)
+        if self.moe_aux_loss_coeff < 0 or self.moe_z_loss_coeff < 0:
+            raise ValueError("model.moe_aux_loss_coeff and model.moe_z_loss_coeff must be >= 0")
+        if self.num_moe_experts is None and (self.moe_aux_loss_coeff or self.moe_z_loss_coeff):
+            raise ValueError(f"model.moe_aux_loss_coeff / moe_z_loss_coeff need an MoE model; "
+                             f"{self.hf_path} is a dense {arch.family}")
+
+    @property
+    def arch(self):
+        """The Hugging Face architecture (hf.arch.HFArch) of model.hf_path; None for the synthetic GPT."""
+        if self.hf_path is None:
+            return None
+        from ..hf.arch import read_arch
+
+        return read_arch(self.hf_path)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding and output layer: vocab_size, or an HF vocabulary padded (hf.arch.VOCAB_PAD)."""
+        return self.arch.padded_vocab_size if self.hf_path else self.vocab_size
+
     @property
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
@@ -72,7 +111,9 @@ class ModelConfig:
     def check_layout(self, *, tp: int, pp: int, vp: int | None, cp: int = 1, ep: int = 1,
                      sequence_parallel: bool = False) -> None:
         """Raise ValueError when this model cannot be split over (tp, pp, vp, cp, ep, sequence_parallel)."""
-        if self.vocab_size % tp:
+        if self.hf_path is not None:
+            self.arch.check_layout(tp=tp, ep=ep)
+        if self.padded_vocab_size % tp:
             raise ValueError(f"model.vocab_size={self.vocab_size} is not divisible by tp={tp}")
         if self.num_attention_heads % tp:
             raise ValueError(f"model.num_attention_heads={self.num_attention_heads} is not divisible by tp={tp}")
@@ -97,6 +138,18 @@ class ModelConfig:
             raise ValueError(f"an MoE model with tp={tp} needs sequence_parallel=True")
 
 
+_DEFAULTS = {f.name: f.default for f in fields(ModelConfig)}
+
+
+def _hf_shape(arch) -> dict:
+    """The synthetic-GPT shape keys as an HF architecture sets them."""
+    return {"vocab_size": arch.vocab_size, "seq_length": arch.max_position_embeddings,
+            "hidden_size": arch.hidden_size, "num_layers": arch.num_layers,
+            "num_attention_heads": arch.num_attention_heads, "ffn_hidden_size": arch.ffn_hidden_size,
+            "num_moe_experts": arch.num_experts,
+            "moe_router_topk": arch.moe_topk if arch.num_experts else _DEFAULTS["moe_router_topk"]}
+
+
 def _torch_dtype(name: str) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
 
@@ -108,7 +161,9 @@ def _moe_kwargs(cfg: ModelConfig, ep: int) -> dict:
         num_moe_experts=cfg.num_moe_experts, moe_ffn_hidden_size=cfg.ffn_size,
         expert_model_parallel_size=ep,
         moe_router_topk=cfg.moe_router_topk,
-        moe_router_pre_softmax=cfg.moe_router_topk == 1,  # megatron refuses top-1 without it
+        # megatron refuses top-1 without it; an HF family's normalised top-k probabilities are the
+        # softmax over the k chosen logits (pre_softmax off), unnormalised ones the softmax over all
+        moe_router_pre_softmax=cfg.moe_router_topk == 1 or (cfg.hf_path is not None and not cfg.arch.norm_topk_prob),
         moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff > 0 else "none",
         moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
         moe_z_loss_coeff=cfg.moe_z_loss_coeff or None,  # megatron: None = off
@@ -126,10 +181,12 @@ def transformer_config(cfg: ModelConfig, *, tp: int, pp: int, vp: int | None = N
     from megatron.core.transformer import TransformerConfig
 
     dtype = _torch_dtype(cfg.dtype)
+    shape = dict(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+                 num_attention_heads=cfg.num_attention_heads, ffn_hidden_size=cfg.ffn_hidden_size)
+    if cfg.hf_path is not None:
+        shape = cfg.arch.transformer_kwargs()  # RMSNorm, SwiGLU, GQA, head_dim, qkv bias, qk-norm
     return TransformerConfig(
-        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
-        num_attention_heads=cfg.num_attention_heads, ffn_hidden_size=cfg.ffn_hidden_size,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        **{**shape, **_moe_kwargs(cfg, ep)}, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vp, context_parallel_size=cp,
         sequence_parallel=sequence_parallel,
         pipeline_dtype=dtype, params_dtype=dtype, bf16=dtype == torch.bfloat16,
@@ -139,7 +196,6 @@ def transformer_config(cfg: ModelConfig, *, tp: int, pp: int, vp: int | None = N
         gradient_accumulation_fusion=False, bias_activation_fusion=False,
         masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         persist_layer_norm=False,
-        **_moe_kwargs(cfg, ep),
     )
 
 
@@ -169,17 +225,24 @@ def build_model(cfg: ModelConfig, *, tp: int, pp: int, vp: int | None = None, cp
     tcfg = transformer_config(cfg, tp=tp, pp=pp, vp=vp, cp=cp, ep=ep, sequence_parallel=sequence_parallel)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     layer = layer_spec(cfg)
+    # the synthetic GPT: learned positions, untied; an HF family: RoPE, its tying, a padded vocabulary
+    arch_kw = cfg.arch.gpt_kwargs() if cfg.hf_path else dict(
+        vocab_size=cfg.vocab_size, max_sequence_length=cfg.seq_length, share_embeddings_and_output_weights=False)
     chunks = []
     for v in range(vp or 1):
         vp_stage = v if vp else None
         chunk = GPTModel(
             config=tcfg, transformer_layer_spec=block_spec(layer, tcfg, vp_stage),
-            vocab_size=cfg.vocab_size, max_sequence_length=cfg.seq_length,
             pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-            share_embeddings_and_output_weights=False, parallel_output=True, vp_stage=vp_stage,
+            parallel_output=True, vp_stage=vp_stage, **arch_kw,
         ).to(device)
-        init_layout_independent(chunk, seed=seed, std=cfg.init_std)
+        if cfg.hf_path:
+            from ..hf.load import load_hf_weights
+
+            load_hf_weights(chunk, cfg.arch)  # each rank reads only its slices
+        else:
+            init_layout_independent(chunk, seed=seed, std=cfg.init_std)
         chunks.append(chunk)
     if not wrap_ddp:
         return chunks

@@ -55,13 +55,19 @@ def layer_spec(cfg):
 
     from .attention import with_reference_attention  # imports megatron-core: only when building
 
+    qk_norm = cfg.arch.qk_norm if cfg.hf_path else False  # Qwen3: RMSNorm on each head's q and k
     if cfg.transformer_impl == "te":
         return specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=cfg.num_moe_experts, moe_grouped_gemm=grouped_gemm(cfg))
-    spec = specs.get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts, moe_grouped_gemm=False)
+            num_experts=cfg.num_moe_experts, moe_grouped_gemm=grouped_gemm(cfg), qk_layernorm=qk_norm)
+    spec = specs.get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts, moe_grouped_gemm=False,
+                                          qk_layernorm=qk_norm)
     sub = spec.submodules
+    attn = sub.self_attention
+    attn = replace(attn, submodules=replace(
+        attn.submodules, q_layernorm=_torch_norm_for(attn.submodules.q_layernorm),
+        k_layernorm=_torch_norm_for(attn.submodules.k_layernorm)))
     return with_reference_attention(replace(spec, submodules=replace(
-        sub, input_layernorm=_torch_norm_for(sub.input_layernorm),
+        sub, input_layernorm=_torch_norm_for(sub.input_layernorm), self_attention=attn,
         pre_mlp_layernorm=_torch_norm_for(sub.pre_mlp_layernorm))))
 
 

@@ -15,6 +15,32 @@ import torch
 
 _GROUPED_EXPERT_PARAM = re.compile(r"(weight|bias)(\d+)")
 
+# Transformer Engine fuses the pre-attention/pre-MLP norms into the next linear layer.
+_TE_NAMES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+}
+# TEGroupedMLP keeps expert i's weights as experts.linear_fc1.weight<i>; SequentialMLP as
+# experts.local_experts.<i>.linear_fc1.weight (both [out, in] per expert).
+_GROUPED_EXPERT = re.compile(r"(.*\.experts)\.(linear_fc[12])\.(weight|bias)(\d+)")
+
+
+def canonical_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Map TE-spec parameter names onto the local spec's names; other names pass through."""
+    out = {}
+    for name, t in state.items():
+        for te, local in _TE_NAMES.items():
+            if name.endswith(te):
+                name = name[: -len(te)] + local
+        grouped = _GROUPED_EXPERT.fullmatch(name)
+        if grouped:
+            prefix, linear, kind, i = grouped.groups()
+            name = f"{prefix}.local_experts.{i}.{linear}.{kind}"
+        out[name] = t
+    return out
+
 
 def global_param_name(module: torch.nn.Module, name: str) -> str:
     """Map a local parameter name to its layout-independent name (global layer and expert index).
@@ -46,7 +72,7 @@ def _is_expert(name: str) -> bool:
     return "experts" in name.split(".")
 
 
-def _shard_group(name: str):
+def shard_group(name: str):
     """(group, size, rank) that shards this parameter: expert TP for experts, TP otherwise."""
     from megatron.core import parallel_state as mpu
 
@@ -67,7 +93,7 @@ def init_layout_independent(module: torch.nn.Module, *, seed: int, std: float) -
     (the expert-TP shard for expert weights). Norms are 1, biases 0, matrices N(0, std^2)."""
     for name, p in module.named_parameters():
         gname = global_param_name(module, name)
-        _, size, rank = _shard_group(name)
+        _, size, rank = shard_group(name)
         dim = getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else -1
         full_shape = list(p.shape)
         if dim >= 0:
@@ -88,7 +114,8 @@ def init_layout_independent(module: torch.nn.Module, *, seed: int, std: float) -
 def gather_full_state(chunks) -> dict[str, torch.Tensor]:
     """All parameters under their global names, from every PP stage and every EP rank.
 
-    TP shards are concatenated over the TP group (expert weights over the expert-TP group); the
+    TP shards are concatenated over the TP group (expert weights over the expert-TP group; a gated
+    fc1 as [gate; up], megatron's layout for the full tensor); the
     per-rank dicts are then all-gathered over the whole world, which brings every stage's layers
     and every EP rank's experts to every rank. Collective over the world (all ranks must call it).
     """
@@ -99,12 +126,17 @@ def gather_full_state(chunks) -> dict[str, torch.Tensor]:
         mod = getattr(chunk, "module", chunk)
         for name, p in mod.named_parameters():
             t = p.detach().float().cpu()
-            group, size, _ = _shard_group(name)
+            group, size, _ = shard_group(name)
             if getattr(p, "tensor_model_parallel", False) and size > 1:
                 src = p.detach().float().contiguous()
                 parts = [torch.empty_like(src) for _ in range(size)]
                 dist.all_gather(parts, src, group=group)
-                t = torch.cat([x.cpu() for x in parts], dim=p.partition_dim)
+                parts = [x.cpu() for x in parts]
+                if mod.config.gated_linear_unit and name.endswith("linear_fc1.weight"):
+                    # rank r holds [gate_r; up_r]: the full tensor is [gate; up]
+                    halves = [x.chunk(2, dim=0) for x in parts]
+                    parts = [h[0] for h in halves] + [h[1] for h in halves]
+                t = torch.cat(parts, dim=p.partition_dim)
             local[global_param_name(mod, name)] = t
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, local)

@@ -26,7 +26,10 @@ ORDER = {"schema": 0, "vocab_softmax": 0, "mcore": 0, "presets": 1, "kept_set": 
          "losses": 3, "step": 4, "integrations": 5, "__init__": 6}
 LIBRARY = set(ORDER)
 # floor of each top-level part; a module may import only from its own floor or below
-FLOOR = {**{name: 0 for name in LIBRARY}, "runner": 1, "demo": 2, "train": 3, "testing": 3}
+# hf (Hugging Face checkpoints in and out) builds megatron models as the runner does; tools and
+# export_hf are entry points like train
+FLOOR = {**{name: 0 for name in LIBRARY}, "runner": 1, "hf": 1, "demo": 2, "train": 3, "testing": 3,
+         "tools": 3}
 NAMES = {0: "library", 1: "runner", 2: "demo", 3: "train/testing"}
 
 
