@@ -115,6 +115,10 @@ class RolloutConfig:
     staleness: int = config_field(2, "Policy versions the sampler lags: step t samples with version max(0, t-k).")
     temperature: float = config_field(1.0, "Sampler temperature (the trainer scores with the same).")
     precision: Literal["fp32", "bf16"] = config_field("bf16", "Sampler weights/compute dtype.")
+    engine: Literal["torch", "hf"] = config_field(
+        "torch", "The sampler: torch = our plain-PyTorch copy of the synthetic GPT (model.hf_path unset); "
+        "hf = transformers' own model of model.hf_path's family, on the trainer's weights synced every step "
+        "through the export mapping (hf/mapping.py). Task symbols are token ids 0..base+3 of the HF vocabulary.")
     top_k: int = config_field(
         0, "Sampler top-k after temperature: keep the k most likely tokens (ties kept), 0 = off. With top_k "
         "or top_p on, the sampler returns its kept sets and every trainer pass scores over them "
@@ -170,7 +174,8 @@ class RolloutConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
-    steps: int = config_field(60, "Optimizer steps (one per rollout batch: the fully-async regime).")
+    steps: int = config_field(60, "Optimizer steps (one per rollout batch: the fully-async regime); 0 only "
+                              "with export_hf (export the loaded model and stop).")
     seed: int = config_field(1234, "Seeds the model init, prompts and sampling (keyed by global sample index).")
     run_dir: str = config_field(
         "runs/experiment", "Output directory: metrics.jsonl, metrics.png, checkpoints/. A YAML file that sets no "
@@ -192,6 +197,10 @@ class RunConfig:
     overwrite: bool = config_field(
         False, "A fresh run (resume: false) into a non-empty run_dir moves the old contents aside to "
         "run_dir/previous_<time>/ instead of refusing; nothing is deleted.")
+    export_hf: bool = config_field(
+        False, "With model.hf_path: write the model as a Hugging Face directory (config.json, safetensors, "
+        "tokenizer files) to run_dir/hf/step_<N>/ at every checkpoint and at the end (run.steps=0: the "
+        "loaded model, a round trip). Written atomically, like checkpoints.")
     dist_timeout_s: int = config_field(
         600, "Process-group timeout in seconds (every group, megatron's too): a collective that waits this long "
         "fails the job. On gloo the rank that stopped answering is then named (exit code 4, within about twice "
@@ -199,7 +208,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        for name, low in (("steps", 1), ("log_interval", 1), ("checkpoint_interval", 0), ("checkpoint_keep", 1),
+        for name, low in (("steps", 0), ("log_interval", 1), ("checkpoint_interval", 0), ("checkpoint_keep", 1),
                           ("max_consecutive_skips", 0), ("dist_timeout_s", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"run.{name} must be >= {low}, got {getattr(self, name)}")
@@ -226,6 +235,19 @@ class ExperimentConfig:
         if self.model.seq_length < r.total_len - 1:
             raise ValueError(f"model.seq_length={self.model.seq_length} is too short for task "
                              f"{r.task!r} with {r.digits} digits: needs >= {r.total_len - 1}")
+        hf = self.model.hf_path is not None
+        if r.engine == "hf" and not hf:
+            raise ValueError("rollout.engine='hf' samples with transformers' model of model.hf_path; set "
+                             "model.hf_path, or use rollout.engine: torch for the synthetic GPT")
+        if r.engine == "torch" and hf:
+            raise ValueError(f"rollout.engine='torch' samples with the synthetic GPT only; model.hf_path="
+                             f"{self.model.hf_path!r} needs rollout.engine: hf")
+        if self.run.steps == 0 and not self.run.export_hf:
+            raise ValueError("run.steps=0 trains nothing; it is for run.export_hf=true (export the loaded "
+                             "model). Set run.steps >= 1")
+        if self.run.export_hf and not hf:
+            raise ValueError("run.export_hf=true writes a Hugging Face directory of model.hf_path's family; "
+                             "set model.hf_path (the synthetic GPT has no HF architecture)")
         p = self.parallelism
         self.model.check_layout(tp=p.tp, pp=p.pp, vp=p.vp, cp=p.cp, ep=p.ep, sequence_parallel=p.sequence_parallel)
         try:  # the registry's rules (unknown loss, rollout anchor + TIS), once per experiment
