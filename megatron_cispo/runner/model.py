@@ -84,6 +84,9 @@ class ModelConfig:
                 raise ValueError(f"model.{name}={mine} conflicts with model.hf_path: {self.hf_path}/config.json "
                                  f"gives {value}; remove model.{name}")
             object.__setattr__(self, name, value)
+        if self.init_std != _DEFAULTS["init_std"]:
+            raise ValueError(f"model.init_std={self.init_std} has no effect with model.hf_path (the weights come "
+                             f"from {self.hf_path}); remove model.init_std")
         if self.moe_aux_loss_coeff < 0 or self.moe_z_loss_coeff < 0:
             raise ValueError("model.moe_aux_loss_coeff and model.moe_z_loss_coeff must be >= 0")
         if self.num_moe_experts is None and (self.moe_aux_loss_coeff or self.moe_z_loss_coeff):
