@@ -88,6 +88,24 @@ def write_durable(path: Path, write) -> None:
         os.fsync(f.fileno())
 
 
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Put the written directory `tmp` in place of `final` (fsyncs `tmp` first): an existing `final`
+    is renamed to .<name>.old, `tmp` renamed into place, then the old one deleted; if the second
+    rename fails the old one is put back. The caller fsyncs final's parent to make it durable."""
+    fsync_path(tmp)
+    old = final.with_name(f".{final.name}.old")
+    if final.exists():  # a checkpoint of an abandoned history, an earlier export of this step
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        if old.exists() and not final.exists():
+            os.replace(old, final)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def read_config(directory: Path) -> str | None:
     """The config text saved with a checkpoint, or None (written before checkpoints held one)."""
     path = directory / CONFIG

@@ -15,7 +15,6 @@ the checkpoint is in place.
 """
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -124,15 +123,6 @@ def write(run_dir, step: int, sharded_state_dict: dict, *, extra: dict, marker: 
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
         tmp.mkdir(parents=True)
 
-    def rename() -> None:
-        files_.fsync_path(tmp)
-        if final.exists():  # an abandoned history's checkpoint of this step, or one without COMPLETE
-            old = final.with_name(f".{final.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.replace(tmp, final)
-
     _part([(tmp, start)], run_dir, step)
     sharded, common = save_preprocess(sharded_state_dict, validate_access_integrity=True)  # collective checks
     own = []
@@ -145,7 +135,8 @@ def write(run_dir, step: int, sharded_state_dict: dict, *, extra: dict, marker: 
     own += [(metadata, lambda: dist_core.save_config(dist_core.CheckpointingConfig("torch_dist", 1), str(tmp))),
             (metadata, lambda: files_.fsync_path(metadata))]
     own += [(tmp / name, lambda p=tmp / name, fn=fn: files_.write_durable(p, fn)) for name, fn in extra.items()]
-    own += [(tmp / files_.MARKER, lambda: files_.write_marker(tmp, marker)), (final, rename)]
+    own += [(tmp / files_.MARKER, lambda: files_.write_marker(tmp, marker)),
+            (final, lambda: files_.replace_dir(tmp, final))]
     _part(own, run_dir, step)
     if dist.get_rank() == 0:
         _tidy(run_dir, final, keep)

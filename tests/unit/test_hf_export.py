@@ -1,0 +1,148 @@
+"""hf/export.write_hf_dir: a directory transformers loads with the source model's logits, sharded as
+transformers shards, written atomically (a failure leaves no half directory and keeps the old one)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from megatron_cispo.hf import export  # noqa: E402
+from megatron_cispo.hf.arch import read_arch  # noqa: E402
+from megatron_cispo.runner import checkpoint_files  # noqa: E402
+from megatron_cispo.tools.make_tiny_hf import make_tiny_hf  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3_moe"])
+def source(request, tmp_path_factory):
+    return make_tiny_hf(request.param, tmp_path_factory.mktemp(request.param) / "model", seed=3)
+
+
+def _tensors(path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _logits(path) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    tokens = torch.tensor([[10, 3, 1, 4, 1, 5, 11, 5, 1, 4, 1, 3, 13]])
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def _files(path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+def test_export_loads_in_transformers_with_identical_logits(source, tmp_path):
+    arch = read_arch(source)
+    hf = _tensors(source)
+    out = export.write_hf_dir(hf, arch, tmp_path / "out")
+    names = sorted(p.name for p in out.iterdir())
+    assert names == sorted(p.name for p in source.iterdir())  # config, generation config, tokenizer, weights
+    assert (out / "config.json").read_bytes() == (source / "config.json").read_bytes()
+    from safetensors import safe_open
+
+    with safe_open(str(out / export.WEIGHTS), "pt") as h:
+        assert h.metadata() == {"format": "pt"}
+    back = _tensors(out)
+    assert sorted(back) == sorted(hf)
+    for n, t in hf.items():
+        assert back[n].dtype == t.dtype and torch.equal(back[n], t), n
+    assert torch.equal(_logits(out), _logits(source))
+
+
+def test_export_casts_to_the_source_dtype_unless_told(source, tmp_path):
+    arch = read_arch(source)
+    hf = {n: t.double() for n, t in _tensors(source).items()}
+    out = export.write_hf_dir(hf, arch, tmp_path / "fp32")
+    assert {t.dtype for t in _tensors(out).values()} == {torch.float32}
+    out = export.write_hf_dir(hf, arch, tmp_path / "bf16", dtype=torch.bfloat16)
+    assert {t.dtype for t in _tensors(out).values()} == {torch.bfloat16}
+
+
+def test_sharded_export_has_an_index_that_transformers_loads(source, tmp_path):
+    arch = read_arch(source)
+    hf = _tensors(source)
+    out = export.write_hf_dir(hf, arch, tmp_path / "out", max_shard_bytes=100_000)
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert len(shards) >= 3 and not (out / export.WEIGHTS).exists()
+    assert shards[0].name == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert all(s.stat().st_size <= 100_000 + 10_000 for s in shards)  # + header; no tensor here is that big
+    index = json.loads((out / export.INDEX).read_text())
+    assert sorted(index["weight_map"]) == sorted(hf)
+    assert set(index["weight_map"].values()) == {s.name for s in shards}
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in hf.values())
+    assert torch.equal(_logits(out), _logits(source))
+
+
+def _fail_on_second_shard(monkeypatch):
+    import safetensors.torch
+
+    real, calls = safetensors.torch.save_file, []
+
+    def save_file(tensors, path, metadata=None):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device", path)
+        real(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    return calls
+
+
+def test_a_failed_export_leaves_no_directory_and_no_temporary(source, tmp_path, monkeypatch):
+    arch = read_arch(source)
+    calls = _fail_on_second_shard(monkeypatch)
+    with pytest.raises(OSError, match="No space"):
+        export.write_hf_dir(_tensors(source), arch, tmp_path / "out", max_shard_bytes=100_000)
+    assert len(calls) == 2  # one shard was written before the failure
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_a_failed_rewrite_keeps_the_existing_export(source, tmp_path, monkeypatch):
+    arch = read_arch(source)
+    hf = _tensors(source)
+    out = export.write_hf_dir(hf, arch, tmp_path / "out")
+    before = _files(out)
+    _fail_on_second_shard(monkeypatch)
+    with pytest.raises(OSError):
+        export.write_hf_dir({n: t + 1 for n, t in hf.items()}, arch, out, max_shard_bytes=100_000)
+    assert _files(out) == before and sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_a_failed_rename_puts_the_existing_export_back(source, tmp_path, monkeypatch):
+    arch = read_arch(source)
+    hf = _tensors(source)
+    out = export.write_hf_dir(hf, arch, tmp_path / "out")
+    before = _files(out)
+    real = os.replace
+
+    def replace(src, dst):
+        if str(src).endswith(".out.tmp"):
+            raise OSError(5, "Input/output error", str(src))
+        real(src, dst)
+
+    monkeypatch.setattr(checkpoint_files.os, "replace", replace)
+    with pytest.raises(OSError, match="Input/output"):
+        export.write_hf_dir({n: t + 1 for n, t in hf.items()}, arch, out)
+    assert _files(out) == before and sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_a_rewrite_replaces_the_export_whole(source, tmp_path):
+    arch = read_arch(source)
+    hf = _tensors(source)
+    out = export.write_hf_dir(hf, arch, tmp_path / "out", max_shard_bytes=100_000)
+    export.write_hf_dir({n: t + 1 for n, t in hf.items()}, arch, out)
+    assert not list(out.glob("model-*")) and not (out / export.INDEX).exists()  # no stale shards left
+    assert torch.equal(_tensors(out)["model.norm.weight"], hf["model.norm.weight"] + 1)
+    assert sorted(os.listdir(tmp_path)) == ["out"]
