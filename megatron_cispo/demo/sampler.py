@@ -5,7 +5,9 @@
 
 As in a fully-async system it never reads the trainer's live parameters: it keeps the synced
 versions in a queue, samples with its own temperature and precision (e.g. bf16 against an
-fp32 trainer) and returns its per-token logprobs. Every rank generates the whole global batch
+fp32 trainer) and returns its per-token logprobs. rollout.engine picks what computes the logits:
+torch (demo/gpt.TorchGPT, the synthetic GPT) or hf (hf/engine.HFEngine: transformers' model of
+model.hf_path's family, loaded from the weights exported by hf/mapping.to_hf). Every rank generates the whole global batch
 from generators keyed by (seed, step, global sample index) and keeps its DP shard. Variable-length
 tasks still sample answer_len tokens per row; a row ends at its first EOS (`Batch.lengths`).
 With rollout.top_k / top_p it samples from the filtered distribution, as vLLM does, and returns
@@ -14,16 +16,18 @@ the kept sets (compressed rows) and the logprobs renormalised over them (samplin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
 
 from .gpt import TorchGPT
+from ..hf.engine import HFEngine
 from ..kept_set import KeptSet
 from .task import PAD, Task, group_advantages, keyed_generator
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+Engine = Union[TorchGPT, HFEngine]  # rollout.engine torch | hf: both map tokens [b, s] -> logits [b, s, V]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +73,7 @@ class Sampler:
         self.model_cfg, self.cfg, self.seed, self.device = model_cfg, rollout_cfg, seed, device
         self.task = Task(rollout_cfg)
         self.versions: dict[int, dict[str, Tensor]] = {}  # policy version -> full fp32 state
+        self._built: Optional[tuple[int, Engine]] = None  # (version, its engine): the last one built
 
     def version_for(self, step: int) -> int:
         """The policy version used for rollouts of 0-based `step` (the trainer is at version step)."""
@@ -86,19 +91,30 @@ class Sampler:
         self.versions[version] = {k: v.detach().to("cpu", torch.float32, copy=True) for k, v in full_state.items()}
         for v in [v for v in self.versions if v < version - self.cfg.staleness]:
             del self.versions[v]
+        if self._built is not None and (self._built[0] == version or self._built[0] not in self.versions):
+            self._built = None  # built from weights it no longer holds
 
-    def engine(self, version: int) -> TorchGPT:
+    def engine(self, version: int) -> Engine:
+        """The inference engine (rollout.engine) on policy version `version`'s weights, built once per
+        version: the last one built is kept, so a version sampled again is not rebuilt."""
         if version not in self.versions:
             raise KeyError(f"sampler has no weights of policy version {version} (has {sorted(self.versions)})")
-        return TorchGPT(self.versions[version], self.model_cfg, dtype=_DTYPES[self.cfg.precision],
-                        device=self.device)
+        if self._built is None or self._built[0] != version:
+            self._built = None  # free the old engine before building the next
+            dtype = _DTYPES[self.cfg.precision]
+            if self.cfg.engine == "hf":
+                built = HFEngine(self.versions[version], self.model_cfg.arch, dtype=dtype, device=self.device)
+            else:
+                built = TorchGPT(self.versions[version], self.model_cfg, dtype=dtype, device=self.device)
+            self._built = (version, built)
+        return self._built[1]
 
-    def generate(self, engine: TorchGPT, prompts: Tensor, step: int) -> tuple[Tensor, Tensor]:
+    def generate(self, engine: Engine, prompts: Tensor, step: int) -> tuple[Tensor, Tensor]:
         """(tokens [n, total_len], logprobs [n, answer_len] fp32) of `sample`, without the kept sets."""
         return self.sample(engine, prompts, step)[:2]
 
     @torch.no_grad()
-    def sample(self, engine: TorchGPT, prompts: Tensor, step: int) -> tuple[Tensor, Tensor, Tensor]:
+    def sample(self, engine: Engine, prompts: Tensor, step: int) -> tuple[Tensor, Tensor, Tensor]:
         """Sample answer_len tokens per row -> (tokens [n, total_len], logprobs [n, answer_len] fp32,
         kept [n, answer_len, V] bool: each draw's kept set, all True without top_k / top_p).
 
@@ -156,3 +172,4 @@ class Sampler:
 
     def load_state_dict(self, state: dict) -> None:
         self.versions = dict(state["versions"])
+        self._built = None

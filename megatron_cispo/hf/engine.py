@@ -1,0 +1,72 @@
+"""The hf sampler's engine: transformers' own model of the family, on the trainer's synced weights.
+
+    engine = HFEngine(gather_full_state(chunks), read_arch(path), dtype=torch.bfloat16)
+    logits = engine.logits(tokens)          # [b, s] int64 -> [b, s, vocab_size], as demo/gpt.TorchGPT
+
+The weights travel as an inference engine receives them: to_hf (our export mapping) writes a
+model.safetensors next to the model directory's config.json, and AutoModelForCausalLM.from_pretrained
+reads it back, so transformers' own loading (Qwen3-MoE's fused experts included) checks every name
+and shape. Nothing here is code of ours about the forward: the mismatch this sampler shows against
+the megatron trainer is the mapping's and the precision's.
+"""
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ..runner.weights import canonical_names
+from .arch import HFArch
+from .mapping import to_hf
+
+
+@contextlib.contextmanager
+def _quiet():
+    """transformers prints a progress bar and a load report per from_pretrained; one per step is noise."""
+    import transformers
+    from transformers.utils import logging
+
+    bars, level = logging.is_progress_bar_enabled(), logging.get_verbosity()
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+    try:
+        yield transformers
+    finally:
+        logging.set_verbosity(level)
+        if bars:
+            logging.enable_progress_bar()
+
+
+def save_hf(full: dict[str, Tensor], arch: HFArch, directory: Path) -> None:
+    """Write `full` (gather_full_state) as a loadable HF directory: config.json and model.safetensors."""
+    from safetensors.torch import save_file
+
+    tensors = {k: v.contiguous() for k, v in to_hf(canonical_names(full), arch).items()}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copyfile(Path(arch.path) / "config.json", directory / "config.json")
+
+
+class HFEngine:
+    """Forward-only transformers model (eval, no grad) of `arch`'s family on the full state `full`.
+
+    full: {global megatron name: full tensor} as runner.weights.gather_full_state returns it.
+    dtype: the sampler's precision (rollout.precision). The whole prefix is recomputed per call
+    (no KV cache): the demo's sequences are a dozen tokens.
+    """
+
+    def __init__(self, full: dict[str, Tensor], arch: HFArch, *, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        self.arch = arch
+        with tempfile.TemporaryDirectory(prefix="cispo_hf_engine_") as tmp, _quiet() as transformers:
+            save_hf(full, arch, Path(tmp))
+            model = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype)
+        self.model = model.to(device).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def logits(self, tokens: Tensor) -> Tensor:
+        """tokens: [b, s] int64 -> logits [b, s, vocab_size] in the model dtype."""
+        return self.model(input_ids=tokens, use_cache=False).logits
