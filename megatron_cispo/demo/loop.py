@@ -10,6 +10,8 @@ run.max_consecutive_skips of them in a row the run stops with NonFiniteStop. On 
 (Ctrl-C) or SIGHUP every rank finishes the step, a checkpoint is written and the run stops with
 Preempted (runner/preempt.py); a rank that stops answering is named by PeerLost (runner/peers.py,
 gloo). A resume checks the checkpoint's config against this one (runner/resume_check.py).
+With run.export_hf the model is written as a Hugging Face directory (hf/export.py) after every
+checkpoint and at the end; run.steps=0 exports the loaded model and trains nothing.
 """
 from __future__ import annotations
 
@@ -220,9 +222,30 @@ def _train(t: _Trainer, start: int) -> None:
         if cfg.run.max_consecutive_skips and skips >= cfg.run.max_consecutive_skips:
             _stop(t, NonFiniteStop(_stop_message(cfg, step, skips, metrics)))
         _checkpoint_or_preempt(t, step)
+    end, ckpt = max(start, cfg.run.steps), cfg.run.checkpoint_interval  # end: the weights' step
+    if cfg.run.export_hf and not (start < end and ckpt and end % ckpt == 0):
+        try:  # the last step's export, unless its checkpoint just wrote it (run.steps=0: the loaded model)
+            _export_hf(t, end)
+        except checkpoint.SaveFailed as e:
+            _stop(t, e)
     if t.writer is not None:
         t.writer.close()
-        _finish(cfg, t.writer.dir, time.perf_counter() - t_start)
+        if cfg.run.steps == 0:  # nothing trained: no metrics to summarise
+            say(f"[{cfg.label}] run.steps=0: wrote {hf_dir(cfg.run.run_dir, end)}", sys.stdout)
+        else:
+            _finish(cfg, t.writer.dir, time.perf_counter() - t_start)
+
+
+def hf_dir(run_dir, step: int) -> Path:
+    """Where run.export_hf writes the model after `step` optimizer steps: run_dir/hf/step_<step>/."""
+    return Path(run_dir) / "hf" / f"step_{step}"
+
+
+def _export_hf(t: _Trainer, step: int) -> None:
+    """Collective: the model as a Hugging Face directory (hf/export.py); SaveFailed on every rank if not written."""
+    from ..hf.export import export_chunks
+
+    export_chunks(t.chunks, t.cfg.model.arch, hf_dir(t.cfg.run.run_dir, step))
 
 
 def _step(t: _Trainer, step: int):
@@ -255,6 +278,8 @@ def _checkpoint_or_preempt(t: _Trainer, step: int) -> None:
             saved = checkpoint.save(cfg.run.run_dir, step + 1, chunks=t.chunks, optimizer=t.optimizer,
                                     shared={"sampler": t.sampler}, keep=cfg.run.checkpoint_keep,
                                     config=dump_yaml(cfg))
+            if cfg.run.export_hf:
+                _export_hf(t, step + 1)
         except checkpoint.SaveFailed as e:
             _stop(t, e)
     if signum:

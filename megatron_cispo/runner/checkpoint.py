@@ -3,6 +3,7 @@
     path = checkpoint.save(run_dir, step, chunks=, optimizer=, shared={"sampler": s}, keep=2)  # collective
     path = checkpoint.resume_point(run_dir)      # collective: newest intact checkpoint, or None
     step = checkpoint.load(path, chunks=, optimizer=, shared={"sampler": s})                 # collective
+    step = checkpoint.load_model(path, chunks=)  # collective: the model only, on any layout (export_hf)
 
 A checkpoint is run_dir/checkpoints/step_<step>/: the model chunks' and the optimizer's sharded
 state dicts and every rank's RNG states in dist_checkpointing's torch_dist format (`__<rank>_0.distcp`,
@@ -86,17 +87,10 @@ def _set_rng_state(state: dict) -> None:
 def _sharded_state_dict(chunks, optimizer, *, loading: bool, with_rng: bool) -> dict:
     """Megatron-LM's layout: "model" (or model0, model1, ... with virtual pipeline chunks),
     "optimizer" built on the model's sharded tensors, and one RNG object per global rank."""
-    from megatron.core import parallel_state as mpu
     from megatron.core.dist_checkpointing.mapping import ShardedObject
-    from megatron.core.utils import unwrap_model
 
-    # Megatron-LM's training/checkpointing.py passes the same: no "chained_<i>." prefix, so an
-    # optimizer tensor's key is its parameter's key, however the optimizers are chained
-    metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
-                "dp_cp_group": mpu.get_data_parallel_group(with_context_parallel=True)}
-    models = unwrap_model(list(chunks))  # DDP's own state dict would prefix every key with "module."
-    sd = {("model" if len(models) == 1 else f"model{i}"): m.sharded_state_dict(metadata=metadata)
-          for i, m in enumerate(models)}
+    metadata = _metadata()
+    sd = _model_state_dict(chunks, metadata)
     for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
         if getattr(sub, "init_state_fn", _sgd_init_state) is None:
             sub.init_state_fn = _sgd_init_state
@@ -105,6 +99,32 @@ def _sharded_state_dict(chunks, optimizer, *, loading: bool, with_rng: bool) -> 
         sd["rng_state"] = ShardedObject("rng_state", _rng_state(), (dist.get_world_size(),), (dist.get_rank(),),
                                         replica_id=0)
     return sd
+
+
+def _metadata() -> dict:
+    """sharded_state_dict's metadata. Megatron-LM's training/checkpointing.py passes the same: no
+    "chained_<i>." prefix, so an optimizer tensor's key is its parameter's key, however chained."""
+    from megatron.core import parallel_state as mpu
+
+    return {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+            "dp_cp_group": mpu.get_data_parallel_group(with_context_parallel=True)}
+
+
+def _model_state_dict(chunks, metadata: dict) -> dict:
+    """{"model": sharded state} or, with virtual pipeline chunks, {"model0": ..., "model1": ...}."""
+    from megatron.core.utils import unwrap_model
+
+    models = unwrap_model(list(chunks))  # DDP's own state dict would prefix every key with "module."
+    return {("model" if len(models) == 1 else f"model{i}"): m.sharded_state_dict(metadata=metadata)
+            for i, m in enumerate(models)}
+
+
+def _load_models(chunks, state: dict) -> None:
+    from megatron.core.utils import unwrap_model
+
+    models = unwrap_model(list(chunks))
+    for i, m in enumerate(models):
+        m.load_state_dict(state["model" if len(models) == 1 else f"model{i}"])
 
 
 def _sgd_init_state(opt, config=None) -> None:
@@ -232,14 +252,15 @@ def _quiet(logger: str):
         log.setLevel(level)
 
 
-def _load_error(path: Path, info: dict, e: BaseException) -> str:
+def _load_error(path: Path, info: dict, e: BaseException, what: str = "run.resume: cannot load the model and "
+                "optimizer") -> str:
     """One line for a failed load; "saved by another model or optimizer" only where the checkpoint's
     tensors or keys do not fit this model (a read error or a bug is said as what it is), with the
     megatron-core versions when another one wrote it."""
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
     cause = files_.root_cause(e)
-    text = f"run.resume: cannot load the model and optimizer from {path}: {files_.describe_error(e)}"
+    text = f"{what} from {path}: {files_.describe_error(e)}"
     if isinstance(cause, (CheckpointingException, KeyError)) or "size mismatch" in str(cause) \
             or "shape mismatch" in str(cause).lower():
         settings = f" (its settings: {path / files_.CONFIG})" if (path / files_.CONFIG).is_file() else ""
@@ -261,7 +282,6 @@ def load(path: Path, *, chunks, optimizer, shared: dict) -> int:
     """Collective: restore the model chunks, the optimizer, RNG states (same layout only) and every
     object in `shared` from checkpoint `path`; returns its step. ConfigError names the file that failed."""
     from megatron.core import dist_checkpointing
-    from megatron.core.utils import unwrap_model
 
     path = Path(path)
     try:
@@ -286,9 +306,7 @@ def load(path: Path, *, chunks, optimizer, shared: dict) -> int:
         with _quiet("megatron.core.dist_checkpointing.strategies.common"):
             state = dist_checkpointing.load(
                 _sharded_state_dict(chunks, optimizer, loading=True, with_rng=same_layout), str(path), **kwargs)
-        models = unwrap_model(list(chunks))
-        for i, m in enumerate(models):
-            m.load_state_dict(state["model" if len(models) == 1 else f"model{i}"])
+        _load_models(chunks, state)
         load_optimizer_state(optimizer, state["optimizer"])
     except checkpoint_save.FAILURES as e:  # noqa: B014 - CheckpointException is a BaseException
         error, cause = _load_error(path, info, e), e
@@ -302,5 +320,28 @@ def load(path: Path, *, chunks, optimizer, shared: dict) -> int:
         except Exception as e:  # noqa: BLE001 - name the file, whatever went wrong in it
             error, cause = f"run.resume: cannot load {path / f'{name}.pt'}: {files_.describe_error(e)}", e
             break
+    _raise_agreed(error, cause)
+    return int(info["step"])
+
+
+def load_model(path: Path, *, chunks) -> int:
+    """Collective: restore only the model chunks from checkpoint `path`, resharded to this layout (the
+    optimizer, RNG states and shared objects are not read); returns its step. ConfigError names the file."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    try:
+        info = files_.read_marker(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path / files_.MARKER}: {files_.describe_error(e)}") from e
+    common = _common_strategy(path, info)
+    error, cause = None, None
+    try:
+        kwargs = {} if common is None else {"common_strategy": common}
+        with _quiet("megatron.core.dist_checkpointing.strategies.common"):
+            state = dist_checkpointing.load(_model_state_dict(chunks, _metadata()), str(path), **kwargs)
+        _load_models(chunks, state)
+    except checkpoint_save.FAILURES as e:  # noqa: B014 - CheckpointException is a BaseException
+        error, cause = _load_error(path, info, e, what="cannot load the model"), e
     _raise_agreed(error, cause)
     return int(info["step"])
