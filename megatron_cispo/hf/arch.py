@@ -114,10 +114,10 @@ def _sliding_window(cfg, path) -> None:
     types = getattr(cfg, "layer_types", None)
     if types and any(t != "full_attention" for t in types):
         raise _refuse(path, "layer_types", sorted(set(types)), "only full_attention layers")
-    if getattr(cfg, "use_sliding_window", False) or (cfg.model_type == "mistral" and cfg.sliding_window):
-        raise _refuse(path, "use_sliding_window" if cfg.model_type != "mistral" else "sliding_window",
-                      getattr(cfg, "sliding_window", True), "sliding-window attention is not expressed; set it off "
-                      "(null) only if the model was trained without it")
+    key, off = ("sliding_window", "null") if cfg.model_type == "mistral" else ("use_sliding_window", "false")
+    if getattr(cfg, key, None):
+        raise _refuse(path, key, getattr(cfg, key), f"sliding-window attention is not expressed; set it {off} "
+                      "only if the model was trained without it")
 
 
 def _dtype(cfg) -> str:
