@@ -1,4 +1,6 @@
 """The YAML experiment schema and loader: inheritance, overrides, ${ENV}, and every error path."""
+import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -20,10 +22,53 @@ def _write(tmp_path, name, data):
     return path
 
 
+@pytest.fixture(scope="session")
+def shipped_env(tmp_path_factory):
+    """path -> the environment a shipped YAML runs with: ${HF_MODEL} = the tiny model its header makes
+    (`make_tiny_hf --family F`), made once per family in a tmp dir; {} for the others."""
+    made = {}
+
+    def env_for(path: Path) -> dict:
+        family = re.search(r"make_tiny_hf --family (\w+)", path.read_text())
+        if family is None:
+            return {}
+        if family[1] not in made:
+            from megatron_cispo.tools.make_tiny_hf import make_tiny_hf
+
+            made[family[1]] = str(make_tiny_hf(family[1], tmp_path_factory.mktemp("tiny_hf") / family[1]))
+        return {"HF_MODEL": made[family[1]]}
+    return env_for
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
-def test_every_shipped_config_loads(path):
-    cfg = load_experiment(path, env={})
+def test_every_shipped_config_loads(path, shipped_env):
+    cfg = load_experiment(path, env=shipped_env(path))
     assert isinstance(cfg, ExperimentConfig)
+
+
+def _header_launches(path: Path) -> list[tuple[int, list[str]]]:
+    """(world size, overrides) of each `megatron_cispo.train` or launch-script command in a YAML's header."""
+    out = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#") or path.name not in line:
+            continue
+        words = shlex.split(line.lstrip("# "))
+        env_vars = dict(w.split("=", 1) for w in words if re.match(r"^[A-Z_]+=", w))
+        flag = next((words[i + 1] for i, w in enumerate(words) if w in ("--nproc-per-node", "--world-size")), None)
+        world = flag or env_vars.get("NPROC") or (
+            int(env_vars["NNODES"]) * int(env_vars.get("GPUS_PER_NODE", 4)) if "NNODES" in env_vars else 4)
+        after = words[next(i for i, w in enumerate(words) if w.endswith(path.name)) + 1:]
+        out.append((int(world), [w for w in after if re.match(r"^[a-z_]+(\.[a-z_]+)+=", w)]))
+    return out
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_fits_the_world_sizes_its_header_launches(path, shipped_env):
+    launches = _header_launches(path)
+    assert launches, f"{path.name}: its header shows no command that runs it"
+    for world, overrides in launches:
+        cfg = load_experiment(path, overrides, env=shipped_env(path))
+        assert resolve_world(cfg, world) >= 1, (world, overrides)
 
 
 def test_shipped_configs_cover_demo_gpu_and_each_anchor():
