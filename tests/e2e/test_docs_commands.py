@@ -60,13 +60,13 @@ YAML_RUNS = [(d, c) for d, c in COMMANDS if re.search(r"yaml_configs/[\w.]+\.yam
 
 
 @pytest.mark.parametrize("doc,cmd", YAML_RUNS, ids=[f"{d}:{c[:50]}" for d, c in YAML_RUNS])
-def test_documented_yaml_run_passes_check_at_its_world_size(doc, cmd):
+def test_documented_yaml_run_passes_check_at_its_world_size(doc, cmd, shipped_env):
     words = shlex.split(cmd)
     config = next(w for w in words if re.match(r"yaml_configs/[\w.]+\.yaml$", w))
     overrides = [w for w in words[words.index(config) + 1:] if re.match(r"^[a-z_]+(\.[a-z_]+)+=", w)]
     world = _world_size(words)
     proc = subprocess.run([sys.executable, "-m", "megatron_cispo.train", "--check", config, *overrides,
-                           "--world-size", str(world)], cwd=ROOT, env=env(),
+                           "--world-size", str(world)], cwd=ROOT, env={**env(), **shipped_env(ROOT / config)},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"{doc}: {cmd!r}\n{proc.stderr}"
     assert f"# ok: {world} processes" in proc.stdout

@@ -22,24 +22,6 @@ def _write(tmp_path, name, data):
     return path
 
 
-@pytest.fixture(scope="session")
-def shipped_env(tmp_path_factory):
-    """path -> the environment a shipped YAML runs with: ${HF_MODEL} = the tiny model its header makes
-    (`make_tiny_hf --family F`), made once per family in a tmp dir; {} for the others."""
-    made = {}
-
-    def env_for(path: Path) -> dict:
-        family = re.search(r"make_tiny_hf --family (\w+)", path.read_text())
-        if family is None:
-            return {}
-        if family[1] not in made:
-            from megatron_cispo.tools.make_tiny_hf import make_tiny_hf
-
-            made[family[1]] = str(make_tiny_hf(family[1], tmp_path_factory.mktemp("tiny_hf") / family[1]))
-        return {"HF_MODEL": made[family[1]]}
-    return env_for
-
-
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_config_loads(path, shipped_env):
     cfg = load_experiment(path, env=shipped_env(path))
