@@ -1,0 +1,187 @@
+"""Weights out, through the CLI: run.export_hf on tp=2 pp=2 and `python -m megatron_cispo.export_hf`.
+
+Round trip: run.steps=0 writes back the loaded model bit for bit (names, shapes, dtypes, values). After
+training, the export CLI on a tp=2 pp=2 checkpoint equals the trainer's own export of that step, and
+the export loads in transformers with the trainer's logprobs. Bad input: one line, exit 2, nothing written.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from e2e_helpers import ROOT, env, torchrun  # noqa: E402
+from megatron_cispo.tools.make_tiny_hf import make_tiny_hf  # noqa: E402
+
+# the trainer's settings for a tiny HF run: transformers samples (rollout.engine=hf), one microbatch
+HF_RUN = """model:
+  hf_path: {hf_path}
+  dtype: fp32
+parallelism:
+  tp: 2
+  pp: 2
+  micro_batch_size: 4
+rollout:
+  engine: hf
+  task: reverse
+  digits: 2
+  prompts_per_step: 2
+  group_size: 2
+  staleness: 0
+  precision: fp32
+optimizer:
+  lr: 0.01
+  weight_decay: 0.5   # the random model earns no reward, so decay is what moves every matrix
+run:
+  export_hf: true
+  run_dir: {run_dir}
+  tensorboard: false
+  log_interval: 1
+"""
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf_models")
+    return {f: make_tiny_hf(f, root / f, seed=5) for f in ("qwen2", "qwen3_moe")}
+
+
+def _yaml(tmp_path: Path, hf_path: Path, run_dir: Path) -> str:
+    path = tmp_path / f"{run_dir.name}.yaml"
+    path.write_text(HF_RUN.format(hf_path=hf_path, run_dir=run_dir))
+    return str(path)
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _assert_same_tensors(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for n in a:
+        assert a[n].dtype == b[n].dtype and a[n].shape == b[n].shape and torch.equal(a[n], b[n]), n
+
+
+def _export_cli(*args, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "megatron_cispo.export_hf", *map(str, args)], cwd=ROOT, env=env(),
+                          capture_output=True, text=True, timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+@pytest.mark.parametrize("family,layout", [
+    ("qwen2", ["parallelism.tp=2", "parallelism.pp=2"]),  # tied embeddings: the output layer is the embedding
+    ("qwen3_moe", ["parallelism.tp=2", "parallelism.pp=2", "parallelism.sequence_parallel=true"]),
+    ("qwen3_moe", ["parallelism.tp=1", "parallelism.pp=2", "parallelism.ep=2", "parallelism.micro_batch_size=2"]),
+], ids=["qwen2-tp2-pp2", "qwen3_moe-tp2-pp2-sp", "qwen3_moe-pp2-ep2"])
+def test_steps_0_exports_the_loaded_model_bit_for_bit(models, tmp_path, family, layout):
+    run_dir = tmp_path / "run"
+    proc = torchrun(4, [_yaml(tmp_path, models[family], run_dir), "run.steps=0", *layout])
+    out = run_dir / "hf" / "step_0"
+    assert f"run.steps=0: wrote {out}" in proc.stdout
+    _assert_same_tensors(_tensors(out), _tensors(models[family]))
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (models[family] / name).read_bytes(), name
+    assert sorted(p.name for p in (run_dir / "hf").iterdir()) == ["step_0"]  # no temporary left
+
+
+@pytest.fixture(scope="module")
+def trained(models, tmp_path_factory) -> Path:
+    """qwen2 trained 2 steps on tp=2 pp=2 with a checkpoint (and so an export) after each."""
+    tmp = tmp_path_factory.mktemp("hf_trained")
+    run_dir = tmp / "run"
+    torchrun(4, [_yaml(tmp, models["qwen2"], run_dir), "run.steps=2", "run.checkpoint_interval=1"])
+    return run_dir
+
+
+def test_the_trainer_exports_at_every_checkpoint_and_the_weights_moved(trained, models):
+    assert sorted(p.name for p in (trained / "hf").iterdir()) == ["step_1", "step_2"]
+    source, last = _tensors(models["qwen2"]), _tensors(trained / "hf" / "step_2")
+    assert sorted(last) == sorted(source)
+    assert not torch.equal(last["model.embed_tokens.weight"], source["model.embed_tokens.weight"])
+
+
+def test_export_cli_equals_the_trainers_export_of_each_step(trained, tmp_path):
+    proc = _export_cli(trained, tmp_path / "newest")
+    assert "(step 2)" in proc.stdout
+    _assert_same_tensors(_tensors(tmp_path / "newest"), _tensors(trained / "hf" / "step_2"))
+    _export_cli(trained, tmp_path / "one", "--step", 1)
+    _assert_same_tensors(_tensors(tmp_path / "one"), _tensors(trained / "hf" / "step_1"))
+    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == sorted(p.name for p in (trained / "hf" / "step_1").iterdir())
+
+
+# megatron's model at the checkpoint (one process, tp=1) and transformers on the export: the same logprobs
+LOGPROBS = """
+import sys, torch
+from pathlib import Path
+from transformers import AutoModelForCausalLM
+from megatron_cispo.export_hf import _checkpoint, _config
+from megatron_cispo.runner import checkpoint, distributed
+from megatron_cispo.runner.cpu_compat import import_megatron_core
+from megatron_cispo.runner.model import build_model
+
+import_megatron_core()
+path = _checkpoint(Path(sys.argv[1]), int(sys.argv[3]))
+cfg = _config(path)
+distributed.init_distributed(seed=cfg.run.seed)
+chunks = build_model(cfg.model, tp=1, pp=1, wrap_ddp=False)
+checkpoint.load_model(path, chunks=chunks)
+tokens = torch.tensor([[10, 3, 1, 11, 1, 3, 13, 7, 2, 5]])
+with torch.no_grad():
+    logits = chunks[0].eval()(tokens, torch.arange(tokens.shape[1])[None], None)[..., :cfg.model.vocab_size]
+    ours = torch.log_softmax(logits.float(), -1)[0, :-1].gather(-1, tokens[0, 1:, None])
+    hf = AutoModelForCausalLM.from_pretrained(sys.argv[2], dtype=torch.float32).eval()
+    theirs = torch.log_softmax(hf(tokens).logits.float(), -1)[0, :-1].gather(-1, tokens[0, 1:, None])
+distributed.shutdown()
+print("max_abs_diff", (ours - theirs).abs().max().item())
+"""
+
+
+def test_export_loads_in_transformers_with_the_trainers_logprobs(trained, tmp_path):
+    script = tmp_path / "logprobs.py"
+    script.write_text(LOGPROBS)
+    proc = subprocess.run([sys.executable, str(script), str(trained), str(trained / "hf" / "step_2"), "2"],
+                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    diff = float(proc.stdout.split("max_abs_diff")[1])
+    assert diff <= 1e-5, diff
+
+
+def test_export_cli_bad_input_is_one_line_exit_2_and_writes_nothing(trained, tmp_path):
+    out = tmp_path / "out"
+    empty = tmp_path / "empty_run"
+    empty.mkdir()
+    synthetic = tmp_path / "synthetic_run" / "checkpoints"  # a copy whose config has no model.hf_path
+    shutil.copytree(trained / "checkpoints", synthetic)
+    for ckpt in synthetic.iterdir():
+        text = (ckpt / "config.yaml").read_text().replace("engine: hf", "engine: torch")
+        text = text.replace("export_hf: true", "export_hf: false")  # what a synthetic-GPT run saves
+        (ckpt / "config.yaml").write_text("\n".join(l for l in text.splitlines() if "hf_path" not in l) + "\n")
+    (tmp_path / "not_a_model").mkdir()
+    (tmp_path / "not_a_model" / "notes.txt").write_text("keep me")
+    cases = {
+        (tmp_path / "missing", out): "no such directory",
+        (empty, out): "no complete checkpoint",
+        (trained, out, "--step", 7): "--step 7:",
+        (synthetic.parent, out): "model.hf_path is not set",
+        (trained, tmp_path / "not_a_model"): "is not a Hugging Face model directory",
+    }
+    for args, said in cases.items():
+        proc = _export_cli(*args, check=False)
+        assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and said in lines[0] and lines[0].startswith("export_hf: "), (args, proc.stderr)
+        assert not out.exists()
+    assert (tmp_path / "not_a_model" / "notes.txt").read_text() == "keep me"
