@@ -200,7 +200,7 @@ class RunConfig:
     export_hf: bool = config_field(
         False, "With model.hf_path: write the model as a Hugging Face directory (config.json, safetensors, "
         "tokenizer files) to run_dir/hf/step_<N>/ at every checkpoint and at the end (run.steps=0: the "
-        "loaded model, a round trip). Written atomically, like checkpoints; never pruned (checkpoint_keep is not).")
+        "loaded model, a round trip). Written atomically, like checkpoints; kept (checkpoint_keep prunes no export).")
     dist_timeout_s: int = config_field(
         600, "Process-group timeout in seconds (every group, megatron's too): a collective that waits this long "
         "fails the job. On gloo the rank that stopped answering is then named (exit code 4, within about twice "
