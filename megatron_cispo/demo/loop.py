@@ -92,6 +92,13 @@ def run(cfg: ExperimentConfig) -> None:
     if cfg.model.dtype == "bf16" and not torch.cuda.is_available():
         raise ConfigError("model.dtype: 'bf16' needs CUDA (megatron's mixed-precision optimizer wraps only "
                           "CUDA tensors); use fp32 on CPU. rollout.precision=bf16 still gives a bf16 sampler")
+    if cfg.model.hf_path is not None:  # what config.json alone cannot show (--check passed), before anything is written
+        from ..hf.load import check_weights
+
+        try:
+            check_weights(cfg.model.arch)  # the safetensors headers: every tensor present, with its shape
+        except ValueError as e:
+            raise ConfigError(f"model.hf_path: {e}") from None
     from ..runner import distributed
 
     # from here a signal stops the run after a step, with a checkpoint; after SIGHUP the console is run_dir/console.log

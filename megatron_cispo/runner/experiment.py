@@ -22,7 +22,7 @@ import yaml
 from ..config import ConfigError, LossConfig, apply_overrides, check_field_types, config_field, from_dict, \
     parse_override_value, to_dict
 from ..losses import check_loss_config, get_policy_loss
-from .model import ModelConfig
+from .model import ModelConfig, _hf_shape
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -330,8 +330,22 @@ def load_experiment(path: str | os.PathLike, overrides: list[str] | tuple[str, .
     if isinstance(data.get("run", {}), dict) and "run_dir" not in data.get("run", {}):
         # its own folder per experiment file, so two examples never collide in one default
         data = {**data, "run": {**data.get("run", {}), "run_dir": f"runs/{Path(path).stem}"}}
-    data = apply_overrides(data, list(overrides), schema=ExperimentConfig)
-    return from_dict(ExperimentConfig, interpolate_env(data, env=env))
+    data = interpolate_env(apply_overrides(data, list(overrides), schema=ExperimentConfig), env=env)
+    cfg = from_dict(ExperimentConfig, data)
+    _check_hf_shape_keys(cfg, data.get("model") or {})
+    return cfg
+
+
+def _check_hf_shape_keys(cfg: ExperimentConfig, model: Mapping) -> None:
+    """ConfigError for a shape key the YAML sets next to model.hf_path to another value than config.json's.
+    ModelConfig refuses those that differ from its default; one set to the default value itself
+    (model.hidden_size: 32) only the YAML shows."""
+    if cfg.model.hf_path is None:
+        return
+    for name, value in _hf_shape(cfg.model.arch).items():
+        if name in model and model[name] != value:
+            raise ConfigError(f"model: model.{name}={model[name]} conflicts with model.hf_path: "
+                              f"{cfg.model.hf_path}/config.json gives {value}; remove model.{name}")
 
 
 def resolve_world(cfg: ExperimentConfig, world_size: int) -> int:
