@@ -8,7 +8,8 @@ checkpoint) is read with every parallel size set to 1, the model is built from m
 config.json, tokenizer files and weights must still be there), its state loaded from the checkpoint
 (dist_checkpointing reshards it), and OUT written as run.export_hf writes run_dir/hf/step_<N>/
 (hf/export.py). The whole model is held in CPU memory, twice while writing.
-Exit codes: 0 written; 2 bad input (one line on stderr, nothing written).
+Exit codes: 0 written; 2 bad input, 6 OUT could not be written (a full disk): one line on stderr, and
+nothing written (an existing OUT is left as it was).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pathlib import Path
 from .config import ConfigError
 
 EXIT_BAD_INPUT = 2
+EXIT_SAVE_FAILED = 6  # as megatron_cispo.train's
 SINGLE = ["parallelism.tp=1", "parallelism.pp=1", "parallelism.vp=null", "parallelism.cp=1", "parallelism.ep=1",
           "parallelism.sequence_parallel=false"]
 
@@ -98,12 +100,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest complete one)")
     args = ap.parse_args(argv)
     from .mcore import MegatronCoreMissing
+    from .runner.checkpoint_save import SaveFailed
 
     try:
         path, step = export(args.run_dir, args.out, step=args.step)
     except (ConfigError, MegatronCoreMissing) as e:
         print(f"export_hf: {e}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
+    except SaveFailed as e:
+        print(f"export_hf: {e}", file=sys.stderr, flush=True)
+        return EXIT_SAVE_FAILED
     print(f"wrote {args.out} from {path} (step {step})")
     return 0
 

@@ -185,3 +185,12 @@ def test_export_cli_bad_input_is_one_line_exit_2_and_writes_nothing(trained, tmp
         assert len(lines) == 1 and said in lines[0] and lines[0].startswith("export_hf: "), (args, proc.stderr)
         assert not out.exists()
     assert (tmp_path / "not_a_model" / "notes.txt").read_text() == "keep me"
+
+
+def test_export_cli_that_cannot_write_says_so_in_one_line_exit_6(trained, tmp_path):
+    (tmp_path / "a_file").write_text("")
+    proc = _export_cli(trained, tmp_path / "a_file" / "out", check=False)
+    assert proc.returncode == 6, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Hugging Face export to" in lines[0] and "not written" in lines[0], proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
