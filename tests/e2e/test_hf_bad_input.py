@@ -131,7 +131,7 @@ def test_missing_weights_through_the_launch_script_are_one_line_exit_2_and_no_ru
     run_dir = tmp_path / "run"
     proc = subprocess.run(["bash", "launch/single_node.sh", QWEN2, f"model.hf_path={model}",
                            f"run.run_dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**env(), "NPROC": "4", "MASTER_PORT": str(free_port())})
+                          env={**env(), "NPROC": "2", "MASTER_PORT": str(free_port())})
     assert proc.returncode == EXIT_CONFIG, _lines(proc)[-30:]
     assert _lines(proc) == [f"config error in {QWEN2}: model.hf_path: model.hf_path={str(model)!r} has no "
                             "*.safetensors weights (only safetensors are read; convert a .bin checkpoint with "
