@@ -3,9 +3,11 @@
     check_weights(arch)              # every tensor present with its shape (headers only); ValueError
     load_hf_weights(chunk, arch)     # each parameter = its TP / expert-TP shard, read with get_slice
 
-Each parameter is assembled from `mapping.pieces`: row blocks of the HF tensors, sliced on disk by
-safetensors' `get_slice`, so a rank never reads tensors of layers, experts or TP shards it does not
-own. The vocabulary padding rows are zeros.
+Each parameter is filled from `mapping.pieces`: row blocks of the HF tensors, sliced on disk by
+safetensors' `get_slice` and copied into the parameter's rows one block at a time, so a rank never
+reads tensors of layers, experts or TP shards it does not own (a row-parallel weight, split along
+dim 1, still touches every row of its tensor) and never holds more than one block besides its
+parameters. The vocabulary padding rows are zeros.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch
 
 from ..runner.weights import canonical_names, global_param_name, shard_group
 from .arch import HFArch
-from .mapping import Piece, assemble, hf_shapes, pieces
+from .mapping import ZEROS, Piece, hf_shapes, pieces
 
 
 @functools.lru_cache(maxsize=16)
@@ -86,7 +88,19 @@ def load_hf_weights(chunk: torch.nn.Module, arch: HFArch) -> None:
         _, size, rank = shard_group(name)
         if not getattr(param, "tensor_model_parallel", False):
             size, rank = 1, 0
-        local = assemble(pieces(gname, arch, rank=rank, size=size), read)
-        if local.shape != param.shape:  # a mapping bug, not bad input: check_weights passed
-            raise AssertionError(f"{gname}: assembled {list(local.shape)} for a parameter of {list(param.shape)}")
-        param.copy_(local.to(param.dtype))
+        parts = pieces(gname, arch, rank=rank, size=size)
+        at = 0
+        for p in parts:  # straight into the parameter's rows: no assembled copy of the whole tensor
+            dst = param[at:at + p.rows]
+            src = None if p.name == ZEROS else read(p)
+            if dst.shape[0] != p.rows or (src is not None and src.shape != dst.shape):
+                # a mapping bug, not bad input: check_weights passed
+                raise AssertionError(f"{gname}: piece {p} does not fit rows {at}.. of a parameter of "
+                                     f"{list(param.shape)}")
+            if src is None:
+                dst.zero_()
+            else:
+                dst.copy_(src)  # casts to the parameter's dtype and device
+            at += p.rows
+        if at != param.shape[0]:
+            raise AssertionError(f"{gname}: the pieces fill {at} of {param.shape[0]} rows")
