@@ -101,6 +101,10 @@ def _rope(cfg, path) -> tuple[float, str, float]:
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise _refuse(path, "rope_parameters.rope_type", kind, f"megatron-core expresses {', '.join(ROPE_TYPES)}")
+    partial = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
+    if partial is not None and float(partial) != 1.0:  # megatron could (rotary_percent); these HF families cannot
+        raise _refuse(path, "rope_parameters.partial_rotary_factor", partial,
+                      "these families rotate the whole head (1.0)")
     factor = float(params.get("factor", 1.0))
     if kind == "llama3":
         for k, want in _MEGATRON_LLAMA3.items():

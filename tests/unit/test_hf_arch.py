@@ -117,6 +117,8 @@ def test_another_family_is_refused_naming_the_supported_ones(tmp_path):
         "original_max_position_embeddings": 32768}),
      "rope_parameters.original_max_position_embeddings=32768 is not supported; megatron-core's llama3 scaling "
      "fixes it at 8192"),
+    ("qwen3", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}),
+     "rope_parameters.partial_rotary_factor=0.5 is not supported; these families rotate the whole head (1.0)"),
     ("qwen2", dict(num_key_value_heads=3), "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
     ("qwen3_moe", dict(mlp_only_layers=[0]), "mlp_only_layers/decoder_sparse_step=([0], 1) is not supported; "
                                              "every layer sparse ([] and 1)"),
