@@ -100,33 +100,35 @@ def test_steps_0_exports_the_loaded_model_bit_for_bit(models, tmp_path, family, 
 
 @pytest.fixture(scope="module")
 def trained(models, tmp_path_factory) -> Path:
-    """qwen2 trained 2 steps on tp=2 pp=2 with a checkpoint (and so an export) after each."""
+    """qwen2 trained 5 steps on tp=2 pp=2, checkpoints (and so exports) after steps 2 and 4, an export at the end."""
     tmp = tmp_path_factory.mktemp("hf_trained")
     run_dir = tmp / "run"
-    torchrun(4, [_yaml(tmp, models["qwen2"], run_dir), "run.steps=2", "run.checkpoint_interval=1"])
+    torchrun(4, [_yaml(tmp, models["qwen2"], run_dir), "run.steps=5", "run.checkpoint_interval=2"])
     return run_dir
 
 
-def test_the_trainer_exports_at_every_checkpoint_and_the_weights_moved(trained, models):
-    assert sorted(p.name for p in (trained / "hf").iterdir()) == ["step_1", "step_2"]
-    source, last = _tensors(models["qwen2"]), _tensors(trained / "hf" / "step_2")
+def test_the_trainer_exports_at_every_checkpoint_and_at_the_end_and_the_weights_moved(trained, models):
+    assert sorted(p.name for p in (trained / "hf").iterdir()) == ["step_2", "step_4", "step_5"]
+    source, four, last = (_tensors(p) for p in (models["qwen2"], trained / "hf" / "step_4", trained / "hf" / "step_5"))
     assert sorted(last) == sorted(source)
-    assert not torch.equal(last["model.embed_tokens.weight"], source["model.embed_tokens.weight"])
+    for a, b in ((source, four), (four, last)):
+        assert not torch.equal(a["model.embed_tokens.weight"], b["model.embed_tokens.weight"])
 
 
 def test_export_cli_equals_the_trainers_export_of_each_step(trained, tmp_path):
     proc = _export_cli(trained, tmp_path / "newest")
-    assert "(step 2)" in proc.stdout
-    _assert_same_tensors(_tensors(tmp_path / "newest"), _tensors(trained / "hf" / "step_2"))
-    _export_cli(trained, tmp_path / "one", "--step", 1)
-    _assert_same_tensors(_tensors(tmp_path / "one"), _tensors(trained / "hf" / "step_1"))
-    assert sorted(p.name for p in (tmp_path / "one").iterdir()) == sorted(p.name for p in (trained / "hf" / "step_1").iterdir())
+    assert "(step 4)" in proc.stdout
+    _assert_same_tensors(_tensors(tmp_path / "newest"), _tensors(trained / "hf" / "step_4"))
+    _export_cli(trained, tmp_path / "two", "--step", 2)
+    _assert_same_tensors(_tensors(tmp_path / "two"), _tensors(trained / "hf" / "step_2"))
+    names = [sorted(p.name for p in d.iterdir()) for d in (tmp_path / "two", trained / "hf" / "step_2")]
+    assert names[0] == names[1]
 
 
 def test_export_cli_on_the_other_megatron_core_equals_this_ones_trainer_export(trained, tmp_path, other):
     """The checkpoint's layout is this tier's (common.pt on 0.16, the shards' common_state on 0.19)."""
     _export_cli(trained, tmp_path / "out", python=other[0])
-    _assert_same_tensors(_tensors(tmp_path / "out"), _tensors(trained / "hf" / "step_2"))
+    _assert_same_tensors(_tensors(tmp_path / "out"), _tensors(trained / "hf" / "step_4"))
 
 
 # megatron's model at the checkpoint (one process, tp=1) and transformers on the export: the same logprobs
@@ -159,7 +161,7 @@ print("max_abs_diff", (ours - theirs).abs().max().item())
 def test_export_loads_in_transformers_with_the_trainers_logprobs(trained, tmp_path):
     script = tmp_path / "logprobs.py"
     script.write_text(LOGPROBS)
-    proc = subprocess.run([sys.executable, str(script), str(trained), str(trained / "hf" / "step_2"), "2"],
+    proc = subprocess.run([sys.executable, str(script), str(trained), str(trained / "hf" / "step_4"), "4"],
                           cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     diff = float(proc.stdout.split("max_abs_diff")[1])
