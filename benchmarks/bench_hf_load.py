@@ -23,6 +23,7 @@ import math
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -39,6 +40,8 @@ def _read_bytes() -> int:
 
 
 def _drop_page_cache(path: str) -> None:
+    os.sync()  # the previous rank's unmapped pages: written back and off the per-CPU lists
+    time.sleep(0.2)
     for f in Path(path).glob("*.safetensors"):
         fd = os.open(f, os.O_RDONLY)
         try:
@@ -60,43 +63,39 @@ def _measure(load, *args) -> dict:
     return {"read": _read_bytes() - io0, "peak": (_status_kib("VmHWM") - rss0) * 1024}
 
 
-class _CountingOpen:
-    """safetensors.safe_open that adds to `spans` the bytes of the whole rows each slice covers:
-    what the loader asks the mmap for (a column slice spans every row), before readahead."""
+class _CountingSlice:
+    def __init__(self, sl, spans: list):
+        self.sl, self.spans = sl, spans
 
-    def __init__(self, real, spans: list):
-        self.real, self.spans = real, spans
+    def __getattr__(self, name):  # get_shape, get_dtype
+        return getattr(self.sl, name)
 
-    def __call__(self, *args, **kwargs):
-        handle, spans = self.real(*args, **kwargs), self.spans
+    def __getitem__(self, key):
+        t = self.sl[key]
+        shape = self.sl.get_shape()
+        self.spans.append(t.shape[0] * t.element_size() * (math.prod(shape[1:]) if len(shape) > 1 else 1))
+        return t
 
-        class Slice:
-            def __init__(self, sl):
-                self.sl = sl
 
-            def __getattr__(self, name):  # get_shape, get_dtype
-                return getattr(self.sl, name)
+class _CountingHandle:
+    """A safe_open handle whose slices add to `spans` the bytes of the whole rows they cover: what
+    the loader asks the mmap for (a column slice spans every row), before readahead. Header reads
+    (keys, shapes) are not counted. Plain classes (no cycles): the mmap closes with the last reference."""
 
-            def __getitem__(self, key):
-                t = self.sl[key]
-                shape = self.sl.get_shape()
-                row = t.element_size() * (math.prod(shape[1:]) if len(shape) > 1 else 1)
-                spans.append(t.shape[0] * row)
-                return t
+    def __init__(self, handle, spans: list):
+        self.handle, self.spans = handle, spans
 
-        class Handle:  # the header reads (keys, shapes) are not counted
-            def get_slice(self, name):
-                return Slice(handle.get_slice(name))
+    def get_slice(self, name):
+        return _CountingSlice(self.handle.get_slice(name), self.spans)
 
-            def __getattr__(self, name):
-                return getattr(handle, name)
+    def __getattr__(self, name):
+        return getattr(self.handle, name)
 
-            def __enter__(self):
-                return self
+    def __enter__(self):
+        return self
 
-            def __exit__(self, *exc):
-                return handle.__exit__(*exc)
-        return Handle()
+    def __exit__(self, *exc):
+        return self.handle.__exit__(*exc)
 
 
 def worker(layout: dict, path: str) -> dict:
@@ -119,7 +118,8 @@ def worker(layout: dict, path: str) -> dict:
             dist.barrier()
 
     load.load_hf_weights, opener = load_in_turn, safetensors.safe_open
-    safetensors.safe_open = _CountingOpen(opener, spans)  # load_hf_weights imports it at each call
+    # load_hf_weights imports safe_open at each call
+    safetensors.safe_open = lambda *a, **k: _CountingHandle(opener(*a, **k), spans)
     try:
         chunks = build_model(ModelConfig(hf_path=path), tp=tp, pp=pp, wrap_ddp=False)
     finally:

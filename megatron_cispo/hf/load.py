@@ -4,10 +4,10 @@
     load_hf_weights(chunk, arch)     # each parameter = its TP / expert-TP shard, read with get_slice
 
 Each parameter is filled from `mapping.pieces`: row blocks of the HF tensors, sliced on disk by
-safetensors' `get_slice` and copied into the parameter's rows one block at a time, so a rank never
-reads tensors of layers, experts or TP shards it does not own (a row-parallel weight, split along
-dim 1, still touches every row of its tensor) and never holds more than one block besides its
-parameters. The vocabulary padding rows are zeros.
+safetensors' `get_slice` and copied into the parameter's rows one block at a time, file by file, so
+a rank never reads tensors of layers, experts or TP shards it does not own (a row-parallel weight,
+split along dim 1, still touches every row of its tensor) and holds, besides its parameters, one
+block and the pages it touched of one file. The vocabulary padding rows are zeros.
 """
 from __future__ import annotations
 
@@ -66,41 +66,43 @@ def source_dtype(arch: HFArch) -> torch.dtype:
         return h.get_slice("model.embed_tokens.weight")[0:1].dtype
 
 
-@torch.no_grad()
-def load_hf_weights(chunk: torch.nn.Module, arch: HFArch) -> None:
-    """Copy every parameter of `chunk` (one virtual stage of a GPTModel built from `arch`) from the
-    checkpoint: this rank's layers, experts and TP (expert-TP) shard only."""
-    from safetensors import safe_open
-
-    check_weights(arch)
-    index = tensor_index(arch.path)
-    handles: dict[str, object] = {}
-
-    def read(p: Piece) -> torch.Tensor:
-        file = index[p.name][0]
-        if file not in handles:
-            handles[file] = safe_open(file, "pt")
-        sl = handles[file].get_slice(p.name)
-        return sl[p.start:p.stop] if p.cols is None else sl[p.start:p.stop, p.cols.start:p.cols.stop]
-
+def _targets(chunk: torch.nn.Module, arch: HFArch) -> list[tuple[Piece, torch.Tensor]]:
+    """(piece, the parameter rows it fills) for every parameter of `chunk`, in row order."""
+    out = []
     for name, param in chunk.named_parameters():
         gname = next(iter(canonical_names({global_param_name(chunk, name): None})))
         _, size, rank = shard_group(name)
         if not getattr(param, "tensor_model_parallel", False):
             size, rank = 1, 0
-        parts = pieces(gname, arch, rank=rank, size=size)
         at = 0
-        for p in parts:  # straight into the parameter's rows: no assembled copy of the whole tensor
-            dst = param[at:at + p.rows]
-            src = None if p.name == ZEROS else read(p)
-            if dst.shape[0] != p.rows or (src is not None and src.shape != dst.shape):
-                # a mapping bug, not bad input: check_weights passed
-                raise AssertionError(f"{gname}: piece {p} does not fit rows {at}.. of a parameter of "
-                                     f"{list(param.shape)}")
-            if src is None:
-                dst.zero_()
-            else:
-                dst.copy_(src)  # casts to the parameter's dtype and device
+        for p in pieces(gname, arch, rank=rank, size=size):
+            out.append((p, param[at:at + p.rows]))
             at += p.rows
-        if at != param.shape[0]:
-            raise AssertionError(f"{gname}: the pieces fill {at} of {param.shape[0]} rows")
+        if at != param.shape[0]:  # a mapping bug, not bad input: check_weights passed
+            raise AssertionError(f"{gname}: the pieces fill {at} rows of a parameter of {list(param.shape)}")
+    return out
+
+
+@torch.no_grad()
+def load_hf_weights(chunk: torch.nn.Module, arch: HFArch) -> None:
+    """Copy every parameter of `chunk` (one virtual stage of a GPTModel built from `arch`) from the
+    checkpoint: this rank's layers, experts and TP (expert-TP) shard only. One safetensors file
+    open at a time: the pages a rank maps are at most one file's."""
+    from safetensors import safe_open
+
+    check_weights(arch)
+    index = tensor_index(arch.path)
+    by_file: dict[str, list] = {}
+    for p, dst in _targets(chunk, arch):
+        if p.name == ZEROS:
+            dst.zero_()
+        else:
+            by_file.setdefault(index[p.name][0], []).append((p, dst))
+    for file, todo in sorted(by_file.items()):
+        with safe_open(file, "pt") as h:
+            for p, dst in todo:  # each block straight into its rows: no assembled copy of the tensor
+                sl = h.get_slice(p.name)
+                src = sl[p.start:p.stop] if p.cols is None else sl[p.start:p.stop, p.cols.start:p.cols.stop]
+                if src.shape != dst.shape:
+                    raise AssertionError(f"{p} read {list(src.shape)} for rows of shape {list(dst.shape)}")
+                dst.copy_(src)  # casts to the parameter's dtype and device
