@@ -163,15 +163,16 @@ def main() -> None:
         print("| layout | rank | rows sliced (MiB) | read from disk (MiB) | read / checkpoint "
               "| peak RSS increase (MiB) | rank's parameters (MiB) |")
         print("|---|---|---|---|---|---|---|")
-        base = spawn(_full_read, 1, (path,))[0]
-        print(f"| load_file (whole checkpoint) | - | {total / MIB:.1f} | {base['read'] / MIB:.1f} | {base['read'] / total:.2f} "
-              f"| {base['peak'] / MIB:.1f} | - |")
+        def row(layout: str, rank: str, spans: float, r: dict, params: str) -> None:
+            print(f"| {layout} | {rank} | {spans / MIB:.1f} | {r['read'] / MIB:.1f} | {r['read'] / total:.2f} "
+                  f"| {r['peak'] / MIB:.1f} | {params} |")
+
+        row("load_file (whole checkpoint)", "-", total, spawn(_full_read, 1, (path,))[0], "-")
         for name in args.layouts:
             layout = LAYOUTS[name]
             world = layout.get("tp", 1) * layout.get("pp", 1)
             for rank, r in enumerate(spawn(worker, world, (layout, path), timeout_s=900)):
-                print(f"| {name} | {rank} | {r['spans'] / MIB:.1f} | {r['read'] / MIB:.1f} | {r['read'] / total:.2f} | {r['peak'] / MIB:.1f} "
-                      f"| {r['params'] / MIB:.1f} |")
+                row(name, str(rank), r["spans"], r, f"{r['params'] / MIB:.1f}")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ import torch
 
 from megatron_cispo.testing import spawn
 
-from hf_helpers import make_models
 
 FAMILIES = ("qwen2", "qwen3_moe")
 STEPS = 3
@@ -69,27 +68,22 @@ def worker(layout: dict, paths: dict, families):
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return make_models(tmp_path_factory.mktemp("hf_layouts"))
-
-
-@pytest.fixture(scope="module")
-def reference(models):
-    return spawn(worker, 1, ({}, models, FAMILIES))[0]
+def reference(hf_models):
+    return spawn(worker, 1, ({}, hf_models, FAMILIES))[0]
 
 
 @pytest.mark.parametrize("layout,families", [
     ({"tp": 2, "sp": True}, FAMILIES), ({"pp": 2}, FAMILIES), ({"ep": 2}, ("qwen3_moe",)),
 ], ids=["tp2_sp", "pp2", "moe_ep2"])
-def test_three_cispo_steps_match_single_process(models, reference, layout, families):
+def test_three_cispo_steps_match_single_process(hf_models, reference, layout, families):
     from safetensors.torch import load_file
 
     world = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("ep", 1)
-    results = spawn(worker, world, (layout, models, families))
+    results = spawn(worker, world, (layout, hf_models, families))
     for family in families:
         ref_metrics, ref_export = reference[family]
         assert ref_metrics[-1]["step/optimizer_steps"] == 1.0 and ref_metrics[-1]["step/grad_norm"] > 0
-        loaded = load_file(f"{models[family]}/model.safetensors")
+        loaded = load_file(f"{hf_models[family]}/model.safetensors")
         moved = max((ref_export[k] - loaded[k]).abs().max().item() for k in loaded)
         assert moved > 100 * EXPORT_TOL, f"{family}: three steps moved no weight by more than {moved:.3g}"
         for rank, res in enumerate(results):

@@ -10,7 +10,6 @@ import pytest
 
 from megatron_cispo.testing import spawn
 
-from hf_helpers import make_deep_sharded
 
 
 class _Recorder:
@@ -97,14 +96,9 @@ def worker(layout: dict, path: str):
             "total": sum(torch.Size(shape).numel() for _, shape in tensor_index(path).values())}
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return make_deep_sharded(tmp_path_factory.mktemp("hf_load_slices"))
-
-
 @pytest.mark.parametrize("layout", [{"tp": 2}, {"pp": 2}], ids=["tp2", "pp2"])
-def test_each_rank_reads_its_own_slices_one_file_at_a_time(model, layout):
-    for rank, r in enumerate(spawn(worker, 2, (layout, model))):
+def test_each_rank_reads_its_own_slices_one_file_at_a_time(hf_models, layout):
+    for rank, r in enumerate(spawn(worker, 2, (layout, hf_models["qwen2_deep_sharded"]))):
         assert r["max_open"] == 1 and r["open_after"] == 0, f"rank {rank}: {r['max_open']} files open at once"
         # row-parallel weights (o_proj, down_proj) are read as column slices: still only this rank's elements
         assert r["read"] == r["params"] - r["padding"], f"rank {rank}: read {r['read']} elements for {r}"

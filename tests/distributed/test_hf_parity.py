@@ -13,7 +13,7 @@ import pytest
 
 from megatron_cispo.testing import spawn
 
-from hf_helpers import FAMILIES, hf_reference, make_batch, make_deep_sharded, make_models, megatron_grads, rel_err
+from hf_helpers import FAMILIES, hf_reference, make_batch, megatron_grads, rel_err
 
 LOGPROB_ATOL = 1e-5
 GRAD_REL = 1e-4
@@ -57,27 +57,21 @@ def worker(layout: dict, paths: dict, families, packed: bool):
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hf_parity")
-    return {**make_models(root), "qwen2_deep_sharded": make_deep_sharded(root / "deep")}
-
-
-@pytest.fixture(scope="module")
-def references(models):
+def references(hf_models):
     from megatron_cispo.hf.arch import read_arch
 
-    return {f: hf_reference(p, *make_batch(read_arch(p).vocab_size)) for f, p in models.items()}
+    return {f: hf_reference(p, *make_batch(read_arch(p).vocab_size)) for f, p in hf_models.items()}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_megatron_matches_transformers_logprobs_and_grads(models, references, name):
+def test_megatron_matches_transformers_logprobs_and_grads(hf_models, references, name):
     """max |logprob diff| <= 1e-5 on every rank; every parameter's gradient within 1e-4 relative
     (the embedding, qkv, fc1 or each expert's fc1 and fc2, norms, router, output layer)."""
     import torch
 
     layout, families, packed = LAYOUTS[name]
     world = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1) * layout.get("ep", 1)
-    results = spawn(worker, world, (layout, models, families, packed))
+    results = spawn(worker, world, (layout, hf_models, families, packed))
     for family in families:
         want_lp, want_grads = references[family]
         for rank, res in enumerate(results):
