@@ -6,7 +6,7 @@ is built by runner.model.build_model from model.hf_path, so each rank reads only
 schedule and grad finalisation for d(sum of logprobs)/d(every parameter). The reference is
 transformers' forward and autograd on the same rows (hf_helpers.hf_reference). One launch per
 layout runs every family: tp=1, tp=2 with sequence parallelism, pp=2, cp=2 with packed THD bins,
-and for qwen3_moe ep=2 (with dp=2: each rank scores half the rows); pp=4 with vp=2 on an 8-layer
+and for qwen3_moe ep=2 and tp=2+SP x ep=2 (with dp=2: each DP rank scores half the rows); pp=4 with vp=2 on an 8-layer
 qwen2 stored in several safetensors files.
 """
 import pytest
@@ -23,6 +23,7 @@ LAYOUTS = {  # name: (layout, families, packed)
     "pp2": ({"pp": 2}, FAMILIES, False),
     "cp2_packed": ({"cp": 2}, FAMILIES, True),
     "ep2": ({"ep": 2}, ("qwen3_moe",), False),
+    "tp2_sp_ep2": ({"tp": 2, "sp": True, "ep": 2}, ("qwen3_moe",), False),  # expert TP 2 x EP 2, dp=2
     # interleaved stages (gloo needs pp >= 4 with vp; the schedule >= pp microbatches): stage 0
     # holds layers 0 and 4, stage 3 layers 3 and 7 and the tied output layer
     "pp4_vp2": ({"pp": 4, "vp": 2, "mbs": 1}, ("qwen2_deep_sharded",), False),
