@@ -3,16 +3,15 @@
     engine = HFEngine(gather_full_state(chunks), read_arch(path), dtype=torch.bfloat16)
     logits = engine.logits(tokens)          # [b, s] int64 -> [b, s, vocab_size], as demo/gpt.TorchGPT
 
-The weights travel as an inference engine receives them: to_hf (our export mapping) writes a
-model.safetensors next to the model directory's config.json, and AutoModelForCausalLM.from_pretrained
-reads it back, so transformers' own loading (Qwen3-MoE's fused experts included) checks every name
+The weights travel as an inference engine receives them: to_hf (our export mapping) and
+export.write_hf_dir write them as run.export_hf does (fp32), and AutoModelForCausalLM.from_pretrained
+reads them back, so transformers' own loading (Qwen3-MoE's fused experts included) checks every name
 and shape. Nothing here is code of ours about the forward: the mismatch this sampler shows against
 the megatron trainer is the mapping's and the precision's.
 """
 from __future__ import annotations
 
 import contextlib
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from torch import Tensor
 
 from ..runner.weights import canonical_names
 from .arch import HFArch
+from .export import write_hf_dir
 from .mapping import to_hf
 
 
@@ -41,15 +41,6 @@ def _quiet():
             logging.enable_progress_bar()
 
 
-def save_hf(full: dict[str, Tensor], arch: HFArch, directory: Path) -> None:
-    """Write `full` (gather_full_state) as a loadable HF directory: config.json and model.safetensors."""
-    from safetensors.torch import save_file
-
-    tensors = {k: v.contiguous() for k, v in to_hf(canonical_names(full), arch).items()}
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    shutil.copyfile(Path(arch.path) / "config.json", directory / "config.json")
-
-
 class HFEngine:
     """Forward-only transformers model (eval, no grad) of `arch`'s family on the full state `full`.
 
@@ -62,8 +53,9 @@ class HFEngine:
                  device: torch.device | str = "cpu"):
         self.arch = arch
         with tempfile.TemporaryDirectory(prefix="cispo_hf_engine_") as tmp, _quiet() as transformers:
-            save_hf(full, arch, Path(tmp))
-            model = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype)
+            # fp32 on disk: the sampler's precision is applied by from_pretrained, never a bf16 source's cast
+            exported = write_hf_dir(to_hf(canonical_names(full), arch), arch, Path(tmp) / "model", dtype=torch.float32)
+            model = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=dtype)
         self.model = model.to(device).eval().requires_grad_(False)
 
     @torch.no_grad()
