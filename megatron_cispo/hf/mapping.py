@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..runner.weights import tp_split_dim
 from .arch import HFArch
 
 ZEROS = ""  # Piece.name of padding rows (vocabulary padding), which HF does not store
@@ -32,7 +33,6 @@ _PLAIN = {
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
     "mlp.router.weight": "mlp.gate.weight",
 }
-_ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")  # TP splits these along dim 1
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ def _blocks(name: str, arch: HFArch) -> tuple[list[Piece], str]:
     plain = _layer_names(arch, int(i))
     if name in plain:
         rows = hf_shapes(arch)[plain[name]][0]
-        return [Piece(plain[name], 0, rows)], "cols" if name.endswith(_ROW_PARALLEL) else "none"
+        return [Piece(plain[name], 0, rows)], "cols" if tp_split_dim(name) == 1 else "none"
     if ".linear_qkv." in name:
         kind = name.rsplit(".", 1)[1]
         hd, per = arch.head_dim, arch.num_attention_heads // arch.num_query_groups

@@ -42,6 +42,17 @@ def canonical_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+_ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")  # TP splits these along dim 1
+
+
+def tp_split_dim(name: str) -> int:
+    """The dim TP splits a tensor-parallel parameter along, from its canonical (local-spec) name:
+    1 for row-parallel linears (linear_proj, linear_fc2), 0 for the rest (QKV, fc1, embedding,
+    output layer). Read from the name, not a partition_dim attribute, which TE's grouped expert
+    linears set by their own rule."""
+    return 1 if name.endswith(_ROW_PARALLEL) else 0
+
+
 def global_param_name(module: torch.nn.Module, name: str) -> str:
     """Map a local parameter name to its layout-independent name (global layer and expert index).
 
@@ -114,10 +125,11 @@ def init_layout_independent(module: torch.nn.Module, *, seed: int, std: float) -
 def gather_full_state(chunks) -> dict[str, torch.Tensor]:
     """All parameters under their global names, from every PP stage and every EP rank.
 
-    TP shards are concatenated over the TP group (expert weights over the expert-TP group; a gated
-    fc1 as [gate; up], megatron's layout for the full tensor); the
-    per-rank dicts are then all-gathered over the whole world, which brings every stage's layers
-    and every EP rank's experts to every rank. Collective over the world (all ranks must call it).
+    Names are canonical (local spec: canonical_names maps the TE spec's onto them). TP shards are
+    concatenated over the TP group (expert weights over the expert-TP group) along tp_split_dim, a
+    gated fc1 as [gate; up], megatron's layout for the full tensor; the per-rank dicts are then
+    all-gathered over the whole world, which brings every stage's layers and every EP rank's
+    experts to every rank. Collective over the world (all ranks must call it).
     """
     import torch.distributed as dist
 
@@ -127,17 +139,18 @@ def gather_full_state(chunks) -> dict[str, torch.Tensor]:
         for name, p in mod.named_parameters():
             t = p.detach().float().cpu()
             group, size, _ = shard_group(name)
+            gname = next(iter(canonical_names({global_param_name(mod, name): None})))
             if getattr(p, "tensor_model_parallel", False) and size > 1:
                 src = p.detach().float().contiguous()
                 parts = [torch.empty_like(src) for _ in range(size)]
                 dist.all_gather(parts, src, group=group)
                 parts = [x.cpu() for x in parts]
-                if mod.config.gated_linear_unit and name.endswith("linear_fc1.weight"):
+                if mod.config.gated_linear_unit and gname.endswith("linear_fc1.weight"):
                     # rank r holds [gate_r; up_r]: the full tensor is [gate; up]
                     halves = [x.chunk(2, dim=0) for x in parts]
                     parts = [h[0] for h in halves] + [h[1] for h in halves]
-                t = torch.cat(parts, dim=p.partition_dim)
-            local[global_param_name(mod, name)] = t
+                t = torch.cat(parts, dim=tp_split_dim(gname))
+            local[gname] = t
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, local)
     full = {}
