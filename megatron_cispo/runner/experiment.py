@@ -22,7 +22,7 @@ import yaml
 from ..config import ConfigError, LossConfig, apply_overrides, check_field_types, config_field, from_dict, \
     parse_override_value, to_dict
 from ..losses import check_loss_config, get_policy_loss
-from .model import ModelConfig, _hf_shape
+from .model import ModelConfig, hf_shape
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -342,7 +342,7 @@ def _check_hf_shape_keys(cfg: ExperimentConfig, model: Mapping) -> None:
     (model.hidden_size: 32) only the YAML shows."""
     if cfg.model.hf_path is None:
         return
-    for name, value in _hf_shape(cfg.model.arch).items():
+    for name, value in hf_shape(cfg.model.arch).items():
         if name in model and model[name] != value:
             raise ConfigError(f"model: model.{name}={model[name]} conflicts with model.hf_path: "
                               f"{cfg.model.hf_path}/config.json gives {value}; remove model.{name}")

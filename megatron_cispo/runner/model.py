@@ -78,7 +78,7 @@ class ModelConfig:
         from ..hf.arch import read_arch
 
         arch = read_arch(self.hf_path)
-        for name, value in _hf_shape(arch).items():
+        for name, value in hf_shape(arch).items():
             mine, default = getattr(self, name), _DEFAULTS[name]
             if mine != default and mine != value:
                 raise ValueError(f"model.{name}={mine} conflicts with model.hf_path: {self.hf_path}/config.json "
@@ -144,7 +144,7 @@ class ModelConfig:
 _DEFAULTS = {f.name: f.default for f in fields(ModelConfig)}
 
 
-def _hf_shape(arch) -> dict:
+def hf_shape(arch) -> dict:
     """The synthetic-GPT shape keys as an HF architecture sets them."""
     return {"vocab_size": arch.vocab_size, "seq_length": arch.max_position_embeddings,
             "hidden_size": arch.hidden_size, "num_layers": arch.num_layers,
