@@ -10,16 +10,33 @@ from __future__ import annotations
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")  # untied, tied + qkv bias, qk-norm, experts
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")  # every family hf/arch.py builds
+# untied, tied + qkv bias, qk-norm, experts: the layouts beyond tp (mistral maps as llama does)
+CORE = ("llama", "qwen2", "qwen3", "qwen3_moe")
 N, S = 4, 15
 LENGTHS = [16, 7, 12, 10]  # real tokens per row (odd and even: CP / SP padding is exercised)
 
 
 def make_models(root) -> dict[str, str]:
-    """family -> a tiny random model directory under `root` (seeded: the same on every call)."""
+    """family -> a tiny random model directory under `root` (seeded: the same on every call), and
+    "qwen3_moe_unnorm": qwen3_moe's weights with norm_topk_prob=false (megatron's pre-softmax router)."""
     from megatron_cispo.tools.make_tiny_hf import make_tiny_hf
 
-    return {f: str(make_tiny_hf(f, root / f, seed=1)) for f in FAMILIES}
+    paths = {f: str(make_tiny_hf(f, root / f, seed=1)) for f in FAMILIES}
+    return {**paths, "qwen3_moe_unnorm": with_config(paths["qwen3_moe"], root / "qwen3_moe_unnorm",
+                                                     norm_topk_prob=False)}
+
+
+def with_config(path: str, out, **changes) -> str:
+    """A copy of the model directory `path` at `out` with config.json's keys set to `changes`."""
+    import json
+    import shutil
+
+    shutil.copytree(path, out)
+    config = json.loads((out / "config.json").read_text())
+    assert set(changes) <= set(config), f"{set(changes) - set(config)} not in {path}/config.json"
+    (out / "config.json").write_text(json.dumps({**config, **changes}, indent=2))
+    return str(out)
 
 
 def make_deep_sharded(root) -> str:
