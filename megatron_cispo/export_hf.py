@@ -4,10 +4,12 @@
     python -m megatron_cispo.export_hf runs/hf_qwen2_tiny runs/qwen2_step10 --step 10    # that step's
 
 One process (not torchrun), whatever layout saved the checkpoint: the run's config.yaml (kept in the
-checkpoint) is read with every parallel size set to 1, the model is built from model.hf_path (its
-config.json, tokenizer files and weights must still be there), its state loaded from the checkpoint
+checkpoint) is read with every parallel size set to 1, the model is built from model.hf_path's
+config.json (no weights read: the source's weights may be gone), its state loaded from the checkpoint
 (dist_checkpointing reshards it), and OUT written as run.export_hf writes run_dir/hf/step_<N>/
-(hf/export.py). The whole model is held in CPU memory, twice while writing.
+(hf/export.py; the tokenizer files model.hf_path still has are copied). The whole model is held in
+CPU memory, twice while writing. OUT must lie outside model.hf_path, and an existing OUT is replaced
+only if it is an export (hf/export.check_out).
 Exit codes: 0 written; 2 bad input, 6 OUT could not be written (a full disk): one line on stderr, and
 nothing written (an existing OUT is left as it was).
 """
@@ -62,16 +64,9 @@ def _config(path: Path):
     return cfg
 
 
-def _check_out(out: Path) -> None:
-    """OUT is replaced whole: refuse a non-empty directory that is not a model directory."""
-    if out.exists() and not (out / "config.json").is_file() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"OUT {out} exists and is not a Hugging Face model directory (no config.json); "
-                          "it would be replaced: choose a new path")
-
-
 def export(run_dir, out, *, step: int | None = None) -> tuple[Path, int]:
     """Write OUT from RUN_DIR's checkpoint; returns (checkpoint, its step). ConfigError for bad input."""
-    from .hf.export import export_chunks
+    from .hf.export import check_out, export_chunks
     from .runner import checkpoint, distributed
     from .runner.cpu_compat import import_megatron_core
     from .runner.model import build_model
@@ -79,15 +74,18 @@ def export(run_dir, out, *, step: int | None = None) -> tuple[Path, int]:
     run_dir, out = Path(run_dir), Path(out)
     if int(os.environ.get("WORLD_SIZE", "1")) != 1:
         raise ConfigError("export_hf runs in one process: start it with python -m, not torchrun")
-    _check_out(out)
     import_megatron_core()  # verify() reads dist_checkpointing's metadata
     path = _checkpoint(run_dir, step)
     cfg = _config(path)
+    try:
+        check_out(out, cfg.model.hf_path)
+    except ValueError as e:
+        raise ConfigError(f"OUT {e}") from None
     distributed.init_distributed(seed=cfg.run.seed)
     try:
-        chunks = build_model(cfg.model, tp=1, pp=1, wrap_ddp=False)
+        chunks = build_model(cfg.model, tp=1, pp=1, wrap_ddp=False, load_weights=False)
         done = checkpoint.load_model(path, chunks=chunks)
-        export_chunks(chunks, cfg.model.arch, out)
+        export_chunks(chunks, cfg.model.arch, out, step=done)
     finally:
         distributed.shutdown()
     return path, done
@@ -96,7 +94,7 @@ def export(run_dir, out, *, step: int | None = None) -> tuple[Path, int]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m megatron_cispo.export_hf", description=__doc__.split("\n")[0])
     ap.add_argument("run_dir", help="the run's directory (holds checkpoints/)")
-    ap.add_argument("out", help="the Hugging Face directory to write (replaced whole if it is one)")
+    ap.add_argument("out", help="the Hugging Face directory to write (an earlier export there is replaced whole)")
     ap.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest complete one)")
     args = ap.parse_args(argv)
     from .mcore import MegatronCoreMissing

@@ -252,7 +252,7 @@ def _export_hf(t: _Trainer, step: int) -> None:
     """Collective: the model as a Hugging Face directory (hf/export.py); SaveFailed on every rank if not written."""
     from ..hf.export import export_chunks
 
-    export_chunks(t.chunks, t.cfg.model.arch, hf_dir(t.cfg.run.run_dir, step))
+    export_chunks(t.chunks, t.cfg.model.arch, hf_dir(t.cfg.run.run_dir, step), step=step)
 
 
 def _step(t: _Trainer, step: int):

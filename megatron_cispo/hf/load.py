@@ -12,6 +12,7 @@ block and the pages it touched of one file. The vocabulary padding rows are zero
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 
 import torch
@@ -21,28 +22,66 @@ from .arch import HFArch
 from .mapping import ZEROS, Piece, hf_shapes, pieces
 
 
+WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"  # as transformers names them
+
+
+def _weight_files(directory: Path) -> dict[str, list[str]]:
+    """safetensors file -> the tensor names to take from it (None: all). With an index, only the
+    files its weight_map names, each for the names it maps there (as vLLM reads a directory); a
+    model.safetensors the index does not name is refused, since transformers would load it instead."""
+    index = directory / INDEX
+    if not index.is_file():
+        return {str(f): None for f in sorted(directory.glob("*.safetensors"))}
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        assert isinstance(weight_map, dict)
+    except (ValueError, KeyError, TypeError, AssertionError) as e:
+        raise ValueError(f"{index}: not a safetensors index with a weight_map ({type(e).__name__}: {e}); "
+                         "fix or remove it") from None
+    if (directory / WEIGHTS).is_file() and WEIGHTS not in weight_map.values():
+        raise ValueError(f"{directory}: both {WEIGHTS} and {INDEX}, which does not name it; transformers loads "
+                         f"model.safetensors, vLLM the index's shards: remove the stale one")
+    out: dict[str, list[str]] = {}
+    for name, file in sorted(weight_map.items()):
+        if not (directory / file).is_file():
+            raise ValueError(f"{index} maps {name} to {file}, which is missing from {directory}")
+        out.setdefault(str(directory / file), []).append(name)
+    return out
+
+
 @functools.lru_cache(maxsize=16)
 def _index(path: str, stamp: float) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """HF tensor name -> (file, shape), from the safetensors headers of every *.safetensors in `path`."""
+    """HF tensor name -> (file, shape), from the safetensors headers of the checkpoint's weight files."""
     from safetensors import safe_open
 
-    files = sorted(Path(path).glob("*.safetensors"))
+    files = _weight_files(Path(path))
     if not files:
         raise ValueError(f"model.hf_path={path!r} has no *.safetensors weights (only safetensors are read; "
                          "convert a .bin checkpoint with transformers' save_pretrained)")
     out = {}
-    for f in files:
+    for f, wanted in files.items():
         try:
-            with safe_open(str(f), "pt") as h:
-                for name in h.keys():
-                    out[name] = (str(f), tuple(h.get_slice(name).get_shape()))
+            with safe_open(f, "pt") as h:
+                have = set(h.keys())
+                for name in sorted(have) if wanted is None else wanted:
+                    if name not in have:
+                        raise ValueError(f"{Path(path) / INDEX} maps {name} to {f}, which does not hold it")
+                    if name in out:
+                        raise ValueError(f"{path}: tensor {name} is in both {out[name][0]} and {f} (no {INDEX} "
+                                         "says which to read): remove the stale file")
+                    out[name] = (f, tuple(h.get_slice(name).get_shape()))
+        except ValueError:
+            raise
         except Exception as e:  # noqa: BLE001 - safetensors raises its own types for a corrupt header
             raise ValueError(f"{f}: not a readable safetensors file ({str(e).splitlines()[0]})") from None
     return out
 
 
 def tensor_index(path: str) -> dict[str, tuple[str, tuple[int, ...]]]:
-    stamp = max((f.stat().st_mtime for f in Path(path).glob("*.safetensors")), default=0.0)
+    """HF tensor name -> (file, shape) of model directory `path`; ValueError (one line) for an
+    inconsistent directory. Cached until a weight file or the index changes."""
+    stamp = max((f.stat().st_mtime for f in [*Path(path).glob("*.safetensors"), Path(path) / INDEX] if f.exists()),
+                default=0.0)
     return _index(str(path), stamp)
 
 
@@ -58,9 +97,12 @@ def check_weights(arch: HFArch) -> None:
 
 
 def source_dtype(arch: HFArch) -> torch.dtype:
-    """The dtype of the checkpoint's tensors (the embedding's), which an export writes back."""
+    """The dtype of the checkpoint's tensors (the embedding's), which an export writes back; config.json's
+    dtype when the directory holds no weights any more (the export CLI needs only its config)."""
     from safetensors import safe_open
 
+    if not any(Path(arch.path).glob("*.safetensors")):
+        return getattr(torch, arch.dtype)
     file, _ = tensor_index(arch.path)["model.embed_tokens.weight"]
     with safe_open(file, "pt") as h:
         return h.get_slice("model.embed_tokens.weight")[0:1].dtype

@@ -9,6 +9,7 @@ layout starts from the same model; `weights.gather_full_state` inverts that. Lay
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, fields
 from typing import Literal, Optional
 
@@ -48,6 +49,8 @@ class ModelConfig:
     def __post_init__(self):
         check_field_types(self)
         if self.hf_path is not None:
+            # absolute, so a run's saved config.yaml points at the model from any working directory
+            object.__setattr__(self, "hf_path", os.path.abspath(self.hf_path))
             self._take_shape_from_hf()
             return
         for name in ("vocab_size", "seq_length", "hidden_size", "num_layers", "num_attention_heads"):
@@ -214,8 +217,11 @@ def _check_parallel_state(*, tp: int, pp: int, cp: int, ep: int) -> None:
 
 
 def build_model(cfg: ModelConfig, *, tp: int, pp: int, vp: int | None = None, cp: int = 1, ep: int = 1,
-                sequence_parallel: bool = False, seed: int = 0, wrap_ddp: bool = True):
+                sequence_parallel: bool = False, seed: int = 0, wrap_ddp: bool = True, load_weights: bool = True):
     """Return this rank's model chunks ([one per virtual stage]), DDP-wrapped by default.
+
+    load_weights=False leaves megatron's own init in place for a caller that loads a checkpoint
+    next: model.hf_path then needs only its config.json (no weights are read).
 
     Needs megatron's parallel state for the same (tp, pp, cp, ep) (runner.distributed.init_distributed).
     """
@@ -240,7 +246,9 @@ def build_model(cfg: ModelConfig, *, tp: int, pp: int, vp: int | None = None, cp
             post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             parallel_output=True, vp_stage=vp_stage, **arch_kw,
         ).to(device)
-        if cfg.hf_path:
+        if not load_weights:
+            pass
+        elif cfg.hf_path:
             from ..hf.load import load_hf_weights
 
             load_hf_weights(chunk, cfg.arch)  # each rank reads only its slices

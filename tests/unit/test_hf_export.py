@@ -48,7 +48,12 @@ def test_export_loads_in_transformers_with_identical_logits(source, tmp_path):
     hf = _tensors(source)
     out = export.write_hf_dir(hf, arch, tmp_path / "out")
     names = sorted(p.name for p in out.iterdir())
-    assert names == sorted(p.name for p in source.iterdir())  # config, generation config, tokenizer, weights
+    # config, generation config, tokenizer, weights, and the marker that says an export wrote it
+    assert names == sorted([p.name for p in source.iterdir()] + [export.MARKER])
+    from megatron_cispo import __version__
+
+    assert json.loads((out / export.MARKER).read_text()) == {"megatron_cispo": __version__,
+                                                              "source": str(source), "step": None}
     assert (out / "config.json").read_bytes() == (source / "config.json").read_bytes()
     from safetensors import safe_open
 
@@ -146,3 +151,43 @@ def test_a_rewrite_replaces_the_export_whole(source, tmp_path):
     assert not list(out.glob("model-*")) and not (out / export.INDEX).exists()  # no stale shards left
     assert torch.equal(_tensors(out)["model.norm.weight"], hf["model.norm.weight"] + 1)
     assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_the_marker_records_the_step(source, tmp_path):
+    out = export.write_hf_dir(_tensors(source), read_arch(source), tmp_path / "out", step=7)
+    assert json.loads((out / export.MARKER).read_text())["step"] == 7
+
+
+@pytest.mark.parametrize("where", ["is", "contains", "lies inside"])
+def test_an_export_over_the_source_model_is_refused_and_touches_nothing(source, where):
+    out = {"is": source, "contains": source.parent, "lies inside": source / "sub"}[where]
+    before = _files(source)
+    with pytest.raises(ValueError, match=f"{where} the source model directory") as e:
+        export.write_hf_dir({n: t + 1 for n, t in _tensors(source).items()}, read_arch(source), out)
+    assert "\n" not in str(e.value) and _files(source) == before
+    assert sorted(p.name for p in source.parent.iterdir()) == ["model"]
+
+
+def test_only_an_earlier_export_is_replaced(source, tmp_path):
+    """A model directory that an export did not write (no marker) is the user's: never replaced."""
+    arch, hf = read_arch(source), _tensors(source)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    for name, data in _files(source).items():
+        (theirs / name).write_bytes(data)
+    before = _files(theirs)
+    with pytest.raises(ValueError, match="is not a megatron_cispo export"):
+        export.write_hf_dir(hf, arch, theirs)
+    assert _files(theirs) == before
+    (tmp_path / "empty").mkdir()
+    export.write_hf_dir(hf, arch, tmp_path / "empty")  # an empty directory holds nothing to lose
+    export.write_hf_dir(hf, arch, tmp_path / "empty")  # nor does an export
+    assert (tmp_path / "empty" / export.MARKER).is_file()
+
+
+def test_model_hf_path_is_made_absolute_so_a_saved_config_works_from_any_directory(source, monkeypatch):
+    from megatron_cispo.runner.model import ModelConfig
+
+    monkeypatch.chdir(source.parent)
+    cfg = ModelConfig(hf_path="model")
+    assert cfg.hf_path == str(source) and os.path.isabs(cfg.hf_path)
