@@ -70,7 +70,6 @@ def export(run_dir, out, *, step: int | None = None) -> tuple[Path, int]:
     from .runner import checkpoint, distributed
     from .runner.cpu_compat import import_megatron_core
     from .runner.model import build_model
-    from .testing import free_port
 
     run_dir, out = Path(run_dir), Path(out)
     if int(os.environ.get("WORLD_SIZE", "1")) != 1:
@@ -84,7 +83,7 @@ def export(run_dir, out, *, step: int | None = None) -> tuple[Path, int]:
         raise ConfigError(f"OUT {e}") from None
     # a one-process group still listens on MASTER_PORT: a free one, so that exports (and a training
     # job) on the same machine do not collide on the default 29500
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    os.environ.setdefault("MASTER_PORT", str(distributed.free_port()))
     distributed.init_distributed(seed=cfg.run.seed)
     try:
         chunks = build_model(cfg.model, tp=1, pp=1, wrap_ddp=False, load_weights=False)

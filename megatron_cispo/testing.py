@@ -12,10 +12,11 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 from typing import Any, Callable
+
+from .runner.distributed import free_port  # noqa: F401 - tests import it from here
 
 
 _PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt",
@@ -25,12 +26,6 @@ _PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.models
 
 class RankFailed(RuntimeError):
     """A worker rank raised, exited or timed out; the message carries its traceback."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(fn, args, rank, world_size, port, env, out):

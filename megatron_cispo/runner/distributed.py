@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,13 @@ class DistEnv:
 
 
 _ENV: DistEnv | None = None
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (one-process groups, tests)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def init_distributed(
