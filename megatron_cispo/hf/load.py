@@ -34,10 +34,10 @@ def _weight_files(directory: Path) -> dict[str, list[str]]:
         return {str(f): None for f in sorted(directory.glob("*.safetensors"))}
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
-        assert isinstance(weight_map, dict)
-    except (ValueError, KeyError, TypeError, AssertionError) as e:
-        raise ValueError(f"{index}: not a safetensors index with a weight_map ({type(e).__name__}: {e}); "
-                         "fix or remove it") from None
+    except (ValueError, KeyError, TypeError) as e:
+        weight_map = f"{type(e).__name__}: {e}"
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index}: not a safetensors index with a weight_map ({weight_map}); fix or remove it")
     if (directory / WEIGHTS).is_file() and WEIGHTS not in weight_map.values():
         raise ValueError(f"{directory}: both {WEIGHTS} and {INDEX}, which does not name it; transformers loads "
                          f"model.safetensors, vLLM the index's shards: remove the stale one")
