@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from .config import ConfigError
 from .integrations.plugins import PluginImportError, load_plugins
@@ -55,9 +56,20 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_intermixed_args(argv)  # overrides may follow --check/--world-size
 
 
+# Every rank hits a config error alike, and rank 0 says it; torchrun stops the job at the first rank
+# that exits, so the others give a rank 0 that lags (a loaded machine) this long to print first.
+SPEAK_FIRST_S = 5.0
+
+
+def _say_once(text: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(text, file=sys.stderr, flush=True)
+    else:
+        time.sleep(SPEAK_FIRST_S)
+
+
 def _report(config: str, err: Exception) -> int:
-    if int(os.environ.get("RANK", "0")) == 0:  # every rank hits the same error; one says so
-        print(f"config error in {config}: {err}", file=sys.stderr, flush=True)
+    _say_once(f"config error in {config}: {err}")
     return EXIT_CONFIG
 
 
@@ -106,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # raised by every rank alike (runtime layout, checkpoint layout)
         return _report(args.config, e)
     except MegatronCoreMissing as e:  # every rank alike, before any process group exists
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(e, file=sys.stderr, flush=True)
+        _say_once(str(e))
         return EXIT_CONFIG
     except NonFiniteStop:  # raised by every rank alike, after rank 0 printed why (before its peers exit)
         return EXIT_NONFINITE

@@ -1,8 +1,9 @@
 """A bad config under a 4-rank launch is reported once and exits non-zero, with no traceback per rank; through
 the launch scripts it is one line and exit code 2, whether --check finds it or the ranks do."""
+import os
 import subprocess
 
-from e2e_helpers import DEMO, ROOT, env, torchrun
+from e2e_helpers import DEMO, ROOT, env, torchrun, torchrun_cmd
 from megatron_cispo.testing import free_port
 
 MESSAGE = "model.hidden_sise: unknown key"
@@ -16,6 +17,20 @@ def test_bad_key_under_torchrun_is_printed_once_and_no_rank_raises():
     # torchrun's agent adds its own one-block failure summary; no worker printed a traceback.
     assert "ConfigError" not in out and "megatron_cispo/" not in out.replace(DEMO, "")
     assert "exitcode  : 2" in out
+
+
+def test_a_lagging_rank_0_still_prints_the_config_error_before_torchrun_stops_the_job(tmp_path):
+    """torchrun stops every worker when the first one exits; rank 0 reaching the error 2 s after the
+    others (a loaded machine) must still get to say it (train.SPEAK_FIRST_S)."""
+    (tmp_path / "lag_rank0.py").write_text(
+        "import os, time\nif os.environ.get('RANK') == '0':\n    time.sleep(2)\n")
+    run_env = {**env(), "MEGATRON_CISPO_PLUGINS": "lag_rank0",
+               "PYTHONPATH": os.pathsep.join([str(tmp_path), env()["PYTHONPATH"]])}
+    proc = subprocess.run(torchrun_cmd(2, [DEMO, "model.hidden_sise=64"], port=free_port()), cwd=ROOT,
+                          env=run_env, capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert out.count(MESSAGE) == 1, out[-3000:]
 
 
 def test_bad_key_through_launch_script_is_one_line_and_exit_code_2():
