@@ -51,12 +51,11 @@ class ModelConfig:
         if self.hf_path is not None:
             # absolute, so a run's saved config.yaml points at the model from any working directory
             object.__setattr__(self, "hf_path", os.path.abspath(self.hf_path))
-            self._take_shape_from_hf()
-            return
+            self._take_shape_from_hf()  # then the checks below, on config.json's values
         for name in ("vocab_size", "seq_length", "hidden_size", "num_layers", "num_attention_heads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
-        if self.hidden_size % self.num_attention_heads:
+        if self.hf_path is None and self.hidden_size % self.num_attention_heads:  # Qwen3's head_dim need not divide
             raise ValueError(f"model.hidden_size={self.hidden_size} is not divisible by "
                              f"model.num_attention_heads={self.num_attention_heads}")
         for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
@@ -66,8 +65,8 @@ class ModelConfig:
         if self.num_moe_experts is None:
             for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
                 if getattr(self, name):
-                    raise ValueError(f"model.{name}={getattr(self, name)} needs an MoE model; "
-                                     "set model.num_moe_experts or leave it 0")
+                    fix = f"{self.hf_path} is dense" if self.hf_path else "set model.num_moe_experts"
+                    raise ValueError(f"model.{name}={getattr(self, name)} needs an MoE model; {fix} or leave it 0")
             return
         if self.num_moe_experts < 1:
             raise ValueError(f"model.num_moe_experts must be >= 1 or None (dense), got {self.num_moe_experts}")
@@ -90,11 +89,6 @@ class ModelConfig:
         if self.init_std != _DEFAULTS["init_std"]:
             raise ValueError(f"model.init_std={self.init_std} has no effect with model.hf_path (the weights come "
                              f"from {self.hf_path}); remove model.init_std")
-        if self.moe_aux_loss_coeff < 0 or self.moe_z_loss_coeff < 0:
-            raise ValueError("model.moe_aux_loss_coeff and model.moe_z_loss_coeff must be >= 0")
-        if self.num_moe_experts is None and (self.moe_aux_loss_coeff or self.moe_z_loss_coeff):
-            raise ValueError(f"model.moe_aux_loss_coeff / moe_z_loss_coeff need an MoE model; "
-                             f"{self.hf_path} is a dense {arch.family}")
 
     @property
     def arch(self):
@@ -246,13 +240,11 @@ def build_model(cfg: ModelConfig, *, tp: int, pp: int, vp: int | None = None, cp
             post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             parallel_output=True, vp_stage=vp_stage, **arch_kw,
         ).to(device)
-        if not load_weights:
-            pass
-        elif cfg.hf_path:
+        if load_weights and cfg.hf_path:
             from ..hf.load import load_hf_weights
 
             load_hf_weights(chunk, cfg.arch)  # each rank reads only its slices
-        else:
+        elif load_weights:
             init_layout_independent(chunk, seed=seed, std=cfg.init_std)
         chunks.append(chunk)
     if not wrap_ddp:
