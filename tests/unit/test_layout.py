@@ -29,7 +29,7 @@ LIBRARY = set(ORDER)
 # hf (Hugging Face checkpoints in and out) builds megatron models as the runner does; tools and
 # export_hf are entry points like train
 FLOOR = {**{name: 0 for name in LIBRARY}, "runner": 1, "hf": 1, "demo": 2, "train": 3, "testing": 3,
-         "tools": 3, "export_hf": 3}
+         "tools": 3, "export_hf": 3, "rollout": 1}
 NAMES = {0: "library", 1: "runner", 2: "demo", 3: "train/testing"}
 
 

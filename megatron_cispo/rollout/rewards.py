@@ -1,0 +1,252 @@
+"""The user's reward function, named by `data.reward: "module:function"` or "path/to/file.py:function",
+called as fn(record, completion, token_ids) (or fn(record, completion)) and returning a number.
+
+    runner = RewardRunner("megatron_cispo.rollout.arith:exact_match", timeout_s=10.0)
+    result = runner.score(records, completions, token_ids)   # RewardResult: None where it failed
+    runner.close()
+
+The function runs in a worker process (`python -c ... _serve()`, started once, restarted after a
+timeout or a crash), not under SIGALRM in the trainer: a timer cannot interrupt C code that holds
+the GIL, needs the main thread and would share the process's signal state with runner/preempt.py
+(and with rewards such as math-verify that set their own alarm); a process can always be killed,
+so a timeout really stops waiting, and a crash or os._exit in the reward cannot end the run. The
+cost: records, completions and results are pickled over a pipe (tens of microseconds a sample), the
+module is imported twice (here, to check the spec, and in the worker), and each timeout restarts
+the worker (its import time, outside the per-sample timeout). Not thread-safe: one caller at a time.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import os
+import pickle
+import select
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+_MISSING = object()
+START_TIMEOUT_S = 300.0  # the worker's import of the reward module (torch, sympy, ...) on a loaded machine
+
+
+def load_reward(spec: str) -> Callable:
+    """The function of `spec` as fn(record, completion, token_ids); a 2-argument function is wrapped.
+    A file path is resolved against the CWD. ValueError, one line, for a spec that cannot be used."""
+    where = f"data.reward={spec!r}"
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name:
+        raise ValueError(f"{where}: expected 'package.module:function' or 'path/to/file.py:function'")
+    if target.endswith(".py") and not Path(target).is_file():
+        raise ValueError(f"{where}: no such file {Path(target).absolute()}")
+    try:
+        module = _import(target)
+    except ModuleNotFoundError as e:
+        raise ValueError(f"{where}: module not found ({e}); is it installed or on PYTHONPATH?") from None
+    except Exception as e:  # noqa: BLE001 - the user's module failed while importing: say so in one line
+        raise ValueError(f"{where}: importing it raised {_cause(e)}") from None
+    fn = getattr(module, name, _MISSING)
+    if fn is _MISSING:
+        raise ValueError(f"{where}: {target} has no attribute {name!r}")
+    if not callable(fn):
+        raise ValueError(f"{where}: {name} is a {type(fn).__name__}, not callable")
+    if _takes(fn, 3):
+        return fn
+    if _takes(fn, 2):
+        return functools.wraps(fn)(lambda record, completion, token_ids: fn(record, completion))
+    raise ValueError(f"{where}: {name}{inspect.signature(fn)} cannot be called as fn(record, completion, "
+                     f"token_ids) or fn(record, completion)")
+
+
+def _takes(fn, n: int) -> bool:
+    """Whether fn accepts n positional arguments (a builtin without a signature is assumed to)."""
+    try:
+        inspect.signature(fn).bind(*range(n))
+    except TypeError:
+        return False
+    except ValueError:
+        return True
+    return True
+
+
+def _import(target: str):
+    if not target.endswith(".py"):
+        return importlib.import_module(target)
+    path = Path(target).absolute()
+    spec = importlib.util.spec_from_file_location(f"_megatron_cispo_reward_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass
+class RewardResult:
+    rewards: list[float | None]  # None where the reward failed (masked out of the loss)
+    errors: int                   # the function raised (or the worker died)
+    timeouts: int                 # the call ran past timeout_s and the worker was killed
+    non_numbers: int              # it returned something other than a finite number (bool counts: 1.0 / 0.0)
+    first_failure: str | None     # one line: the function, the sample and the cause
+
+
+def _cause(e: BaseException) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"[:300]
+
+
+def _as_number(v) -> float | None:
+    if isinstance(v, numbers.Real) or (type(v).__module__ == "numpy" and getattr(v, "shape", None) == ()):
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            return None
+        return f if math.isfinite(f) else None
+    return None
+
+
+def _send(f, obj) -> None:
+    data = pickle.dumps(obj)
+    f.write(len(data).to_bytes(8, "little") + data)
+    f.flush()
+
+
+def _read_exact(fd: int, n: int, deadline: float | None) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        if deadline is not None and not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            raise TimeoutError
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    return buf
+
+
+def _recv(fd: int, deadline: float | None):
+    return pickle.loads(_read_exact(fd, int.from_bytes(_read_exact(fd, 8, deadline), "little"), deadline))
+
+
+class RewardRunner:
+    """Scores completions with the function of `spec`, each call limited to `timeout_s` seconds."""
+
+    def __init__(self, spec: str, *, timeout_s: float):
+        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0 and math.isfinite(timeout_s)):
+            raise ValueError(f"reward timeout_s={timeout_s!r}: expected a finite number of seconds > 0")
+        load_reward(spec)  # refuse a bad spec here, in one line, before the worker exists
+        target, _, name = spec.rpartition(":")
+        self.spec = f"{Path(target).absolute()}:{name}" if target.endswith(".py") else spec
+        self.timeout_s = float(timeout_s)
+        self._proc: subprocess.Popen | None = None
+        self._start()
+
+    def _start(self) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2])] + env.get("PYTHONPATH", "").split(os.pathsep))
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", "from megatron_cispo.rollout.rewards import _serve; _serve()"], env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)  # no terminal Ctrl-C
+        _send(self._proc.stdin, (self.spec, list(sys.path), os.getpid()))
+        try:
+            kind, detail = _recv(self._proc.stdout.fileno(), time.monotonic() + START_TIMEOUT_S)
+        except (TimeoutError, EOFError):
+            kind, detail = "error", f"the worker did not start within {START_TIMEOUT_S:.0f} s or exited"
+        if kind != "ready":
+            self.close()
+            raise ValueError(f"data.reward={self.spec!r}: in the reward worker, {detail}")
+
+    def _stop(self) -> None:
+        self._proc.kill()
+        self._proc.wait()
+        self._proc = None
+
+    def score(self, records: list[dict], completions: list[str], token_ids: list[list[int]]) -> RewardResult:
+        if not len(records) == len(completions) == len(token_ids):
+            raise ValueError(f"score: {len(records)} records, {len(completions)} completions and "
+                             f"{len(token_ids)} token lists; expected one of each per sample")
+        res = RewardResult(rewards=[], errors=0, timeouts=0, non_numbers=0, first_failure=None)
+        for i, sample in enumerate(zip(records, completions, [list(map(int, t)) for t in token_ids])):
+            reward, kind, detail = None, "error", ""
+            try:
+                if self._proc is None:
+                    self._start()
+                _send(self._proc.stdin, sample)
+                kind, detail = _recv(self._proc.stdout.fileno(), time.monotonic() + self.timeout_s)
+            except TimeoutError:
+                kind, detail = "timeout", f"timed out after {self.timeout_s:g} s"
+                self._stop()
+            except (EOFError, BrokenPipeError, ValueError) as e:
+                code = self._proc.wait() if self._proc is not None else None
+                detail = f"the reward worker exited (code {code})" if code is not None else str(e)
+                self._proc = None
+            if kind == "ok":
+                reward = detail
+            else:
+                res.errors += kind == "error"
+                res.timeouts += kind == "timeout"
+                res.non_numbers += kind == "non_number"
+                if res.first_failure is None:
+                    res.first_failure = (f"reward {self.spec} on sample {i} "
+                                         f"(record {repr(sample[0])[:80]}): {detail}")
+            res.rewards.append(reward)
+        return res
+
+    def close(self) -> None:
+        """End the worker (it also ends when this process does: PR_SET_PDEATHSIG)."""
+        if self._proc is not None:
+            self._proc.stdin.close()
+            try:
+                self._proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_proc", None) is not None:
+            self._stop()
+
+
+def _serve() -> None:
+    """The worker: load the spec, then answer (kind, value) for each sample until stdin closes."""
+    import ctypes
+    import signal
+
+    reply = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # the reward's prints go to stderr; fd 1's old pipe carries only the replies
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    spec, path, parent = _recv(0, None)
+    try:  # die with the trainer, even when it is killed; and if it already died, do not start
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:
+        return
+    sys.path[:] = path
+    try:
+        fn = load_reward(spec)
+    except ValueError as e:
+        return _send(reply, ("error", str(e)))
+    _send(reply, ("ready", None))
+    while True:
+        try:
+            record, completion, ids = _recv(0, None)
+        except EOFError:
+            return
+        try:
+            value = fn(record, completion, ids)
+        except Exception as e:  # noqa: BLE001 - any failure of the user's code is counted, not fatal
+            _send(reply, ("error", f"raised {_cause(e)}"))
+            continue
+        number = _as_number(value)
+        _send(reply, ("ok", number) if number is not None else
+              ("non_number", f"returned {type(value).__name__} {repr(value)[:40]}, not a finite number"))
