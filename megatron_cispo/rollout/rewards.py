@@ -5,7 +5,7 @@ called as fn(record, completion, token_ids) (or fn(record, completion)) and retu
     result = runner.score(records, completions, token_ids)   # RewardResult: None where it failed
     runner.close()
 
-The function runs in a worker process (`python -c ... _serve()`, started once, restarted after a
+The function runs in a worker process (reward_worker.py, started once, restarted after a
 timeout or a crash), not under SIGALRM in the trainer: a timer cannot interrupt C code that holds
 the GIL, needs the main thread and would share the process's signal state with runner/preempt.py
 (and with rewards such as math-verify that set their own alarm); a process can always be killed,
@@ -21,16 +21,15 @@ import importlib
 import importlib.util
 import inspect
 import math
-import numbers
 import os
-import pickle
-import select
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+from .reward_worker import cause, recv, send
 
 _MISSING = object()
 START_TIMEOUT_S = 300.0  # the worker's import of the reward module (torch, sympy, ...) on a loaded machine
@@ -50,7 +49,7 @@ def load_reward(spec: str) -> Callable:
     except ModuleNotFoundError as e:
         raise ValueError(f"{where}: module not found ({e}); is it installed or on PYTHONPATH?") from None
     except Exception as e:  # noqa: BLE001 - the user's module failed while importing: say so in one line
-        raise ValueError(f"{where}: importing it raised {_cause(e)}") from None
+        raise ValueError(f"{where}: importing it raised {cause(e)}") from None
     fn = getattr(module, name, _MISSING)
     if fn is _MISSING:
         raise ValueError(f"{where}: {target} has no attribute {name!r}")
@@ -94,42 +93,6 @@ class RewardResult:
     first_failure: str | None     # one line: the function, the sample and the cause
 
 
-def _cause(e: BaseException) -> str:
-    return f"{type(e).__name__}: {' '.join(str(e).split())}"[:300]
-
-
-def _as_number(v) -> float | None:
-    if isinstance(v, numbers.Real) or (type(v).__module__ == "numpy" and getattr(v, "shape", None) == ()):
-        try:
-            f = float(v)
-        except (TypeError, ValueError):
-            return None
-        return f if math.isfinite(f) else None
-    return None
-
-
-def _send(f, obj) -> None:
-    data = pickle.dumps(obj)
-    f.write(len(data).to_bytes(8, "little") + data)
-    f.flush()
-
-
-def _read_exact(fd: int, n: int, deadline: float | None) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        if deadline is not None and not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
-            raise TimeoutError
-        chunk = os.read(fd, n - len(buf))
-        if not chunk:
-            raise EOFError
-        buf += chunk
-    return buf
-
-
-def _recv(fd: int, deadline: float | None):
-    return pickle.loads(_read_exact(fd, int.from_bytes(_read_exact(fd, 8, deadline), "little"), deadline))
-
-
 class RewardRunner:
     """Scores completions with the function of `spec`, each call limited to `timeout_s` seconds."""
 
@@ -147,11 +110,11 @@ class RewardRunner:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2])] + env.get("PYTHONPATH", "").split(os.pathsep))
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", "from megatron_cispo.rollout.rewards import _serve; _serve()"], env=env,
+            [sys.executable, "-c", "from megatron_cispo.rollout.reward_worker import serve; serve()"], env=env,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)  # no terminal Ctrl-C
-        _send(self._proc.stdin, (self.spec, list(sys.path), os.getpid()))
+        send(self._proc.stdin, (self.spec, list(sys.path), os.getpid()))
         try:
-            kind, detail = _recv(self._proc.stdout.fileno(), time.monotonic() + START_TIMEOUT_S)
+            kind, detail = recv(self._proc.stdout.fileno(), time.monotonic() + START_TIMEOUT_S)
         except (TimeoutError, EOFError):
             kind, detail = "error", f"the worker did not start within {START_TIMEOUT_S:.0f} s or exited"
         if kind != "ready":
@@ -173,8 +136,8 @@ class RewardRunner:
             try:
                 if self._proc is None:
                     self._start()
-                _send(self._proc.stdin, sample)
-                kind, detail = _recv(self._proc.stdout.fileno(), time.monotonic() + self.timeout_s)
+                send(self._proc.stdin, sample)
+                kind, detail = recv(self._proc.stdout.fileno(), time.monotonic() + self.timeout_s)
             except TimeoutError:
                 kind, detail = "timeout", f"timed out after {self.timeout_s:g} s"
                 self._stop()
@@ -214,39 +177,3 @@ class RewardRunner:
     def __del__(self) -> None:
         if getattr(self, "_proc", None) is not None:
             self._stop()
-
-
-def _serve() -> None:
-    """The worker: load the spec, then answer (kind, value) for each sample until stdin closes."""
-    import ctypes
-    import signal
-
-    reply = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # the reward's prints go to stderr; fd 1's old pipe carries only the replies
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    spec, path, parent = _recv(0, None)
-    try:  # die with the trainer, even when it is killed; and if it already died, do not start
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent:
-        return
-    sys.path[:] = path
-    try:
-        fn = load_reward(spec)
-    except ValueError as e:
-        return _send(reply, ("error", str(e)))
-    _send(reply, ("ready", None))
-    while True:
-        try:
-            record, completion, ids = _recv(0, None)
-        except EOFError:
-            return
-        try:
-            value = fn(record, completion, ids)
-        except Exception as e:  # noqa: BLE001 - any failure of the user's code is counted, not fatal
-            _send(reply, ("error", f"raised {_cause(e)}"))
-            continue
-        number = _as_number(value)
-        _send(reply, ("ok", number) if number is not None else
-              ("non_number", f"returned {type(value).__name__} {repr(value)[:40]}, not a finite number"))
