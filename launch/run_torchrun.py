@@ -9,7 +9,7 @@ one line instead of a traceback where the ranks or the rendezvous have already s
 - The rendezvous fails (a node did not come in time, the port is taken): one line, SCRIPT: WAITED_FOR
   and then torch's own message; exit 1.
 - The workers stop with one of train.py's REPORTED_EXIT_CODES (2 config error, 3 non-finite stop,
-  4 peer lost, 5 preempted, 6 checkpoint save failed): every failed worker with the same one, but
+  4 peer lost, 5 preempted, 6 checkpoint save failed, 7 rollout engine failed): every failed worker with the same one, but
   for those the agent stopped with SIGTERM after the first failure, or (when torchrun itself got
   the SIGTERM/SIGINT and forwarded it) every worker with it. Rank 0 has printed the one line, so
   torchrun's failure summary, traceback and log lines about it are left out, and this exits with

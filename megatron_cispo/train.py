@@ -14,7 +14,8 @@ first rank to notice; gloo only, see docs/troubleshooting.md for NCCL); 5 (EXIT_
 SIGINT (Ctrl-C) or SIGHUP: every rank finished the step and a checkpoint was written, rank 0 says
 where; rerun with run.resume=true (a second Ctrl-C stops at once without one: 130); 6
 (EXIT_SAVE_FAILED) a checkpoint could not be written (a full disk), rank 0 names the file and the
-free space. A config that differs across ranks (an ${ENV} value) is an EXIT_CONFIG error
+free space; 7 (EXIT_ROLLOUT_FAILED) the rollout engine (vLLM) failed mid-run, rank 0 quotes its
+error. A config that differs across ranks (an ${ENV} value) is an EXIT_CONFIG error
 naming the keys and each rank's value; `--check` also refuses a run.run_dir that rank 0 would.
 Bare torchrun prints rank 0's line, then its agent's log lines and a ChildFailedError traceback
 whose summary lists each worker's exit code (about 40 lines), and exits 1 whatever they were. The
@@ -40,10 +41,11 @@ EXIT_NONFINITE = 3
 EXIT_PEER_LOST = 4
 EXIT_PREEMPTED = 5
 EXIT_SAVE_FAILED = 6
+EXIT_ROLLOUT_FAILED = 7  # the rollout engine (vLLM) failed mid-run; rank 0 printed its error
 EXIT_INTERRUPTED = 130  # a second Ctrl-C: runner/preempt.py's os._exit code (128 + SIGINT, as a shell reports it)
 # Exit codes whose reason rank 0 has printed in one line (launch/run_torchrun.py passes them on quietly).
 REPORTED_EXIT_CODES = (EXIT_CONFIG, EXIT_NONFINITE, EXIT_PEER_LOST, EXIT_PREEMPTED, EXIT_SAVE_FAILED,
-                       EXIT_INTERRUPTED)
+                       EXIT_ROLLOUT_FAILED, EXIT_INTERRUPTED)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -87,6 +89,16 @@ def _world_size(flag: int | None) -> int:
     return world
 
 
+def _check_sources(cfg) -> None:
+    """--check: vLLM installed, data.prompts readable, data.reward importable (rollout.engine: vllm)."""
+    from .demo.prompt_sampler import check_sources
+
+    try:
+        check_sources(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     try:
@@ -99,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                               f"be 0, got {cfg.loss.kl.coef}")
         if args.check:  # what rank 0 would refuse at start-up, said before any rank starts
             check_run_dir(cfg.run.run_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite)
+            _check_sources(cfg)
     except (ConfigError, PluginImportError) as e:
         return _report(args.config, e)
     if args.check:
@@ -108,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# ok: {world} processes = tp {p.tp} x pp {p.pp} x dp {dp}{extra}")
         return 0
     from .demo.loop import NonFiniteStop, run
+    from .demo.prompt_sampler import RolloutFailed
     from .mcore import MegatronCoreMissing
     from .runner.peers import PeerLost
     from .runner.checkpoint import SaveFailed
@@ -128,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_PREEMPTED
     except SaveFailed:  # rank 0 printed which file, why and the free space
         return EXIT_SAVE_FAILED
+    except RolloutFailed:  # rank 0 printed the engine's error
+        return EXIT_ROLLOUT_FAILED
     return 0
 
 

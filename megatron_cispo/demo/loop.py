@@ -8,7 +8,7 @@ TP/PP shards are gathered (`gather_full_state`) and pushed to the sampler as ver
 A step whose loss or gradient is non-finite is skipped by policy_step on every rank; after
 run.max_consecutive_skips of them in a row the run stops with NonFiniteStop. On SIGTERM, SIGINT
 (Ctrl-C) or SIGHUP every rank finishes the step, a checkpoint is written and the run stops with
-Preempted (runner/preempt.py); a rank that stops answering is named by PeerLost (runner/peers.py,
+Preempted (runner/preempt.py); a failed rollout engine stops the run with RolloutFailed; a rank that stops answering is named by PeerLost (runner/peers.py,
 gloo). A resume checks the checkpoint's config against this one (runner/resume_check.py).
 With run.export_hf the model is written as a Hugging Face directory (hf/export.py) after every
 checkpoint and at the end; run.steps=0 exports the loaded model and trains nothing.
@@ -31,6 +31,7 @@ from ..runner import checkpoint, checkpoint_files, peers, preempt, resume_check,
 from ..runner.experiment import ExperimentConfig, dump_yaml
 from ..step.policy_step import NONFINITE_CHECKS
 from .metrics import MetricsWriter, finite_record, headline, say
+from .prompt_sampler import PromptSampler, RolloutFailed, check_sources
 from .sampler import Sampler
 
 
@@ -53,6 +54,7 @@ def _record(step: int, batch, metrics: dict, cfg: ExperimentConfig, lr: float, d
            "policy_version_lag": step - batch.version, "sampler_version": batch.version, "lr": lr}
     rec["tokens_per_s"] = rec.get("tokens", 0.0) / dt
     rec.update({"step_time_s": dt, "elapsed_s": elapsed})
+    rec.update(batch.info)  # the sampler's own: vLLM's sync, rollout and reward figures
     rec.update(sorted(metrics.items()))
     return rec
 
@@ -99,6 +101,10 @@ def run(cfg: ExperimentConfig) -> None:
             check_weights(cfg.model.arch)  # the safetensors headers: every tensor present, with its shape
         except ValueError as e:
             raise ConfigError(f"model.hf_path: {e}") from None
+    try:
+        check_sources(cfg)  # rollout.engine=vllm: vLLM installed, data.prompts readable, data.reward importable
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     from ..runner import distributed
 
     # from here a signal stops the run after a step, with a checkpoint; after SIGHUP the console is run_dir/console.log
@@ -108,7 +114,7 @@ def run(cfg: ExperimentConfig) -> None:
     except BaseException:
         preempt.uninstall()
         raise
-    owned = None
+    owned = trainer = None
     try:
         # Before anything is written: one job per run_dir, and a fresh run never mixes with an old one.
         owned = rundir.claim_for_job(cfg.run.run_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite,
@@ -119,12 +125,14 @@ def run(cfg: ExperimentConfig) -> None:
             trainer.writer = _open_log(trainer, start, last, owned.moved_to)
         _train(trainer, start)
     except RuntimeError as e:  # a collective timed out: name the rank that stopped answering
-        stopped = (NonFiniteStop, preempt.Preempted, checkpoint.SaveFailed, peers.PeerLost)
+        stopped = (NonFiniteStop, preempt.Preempted, checkpoint.SaveFailed, peers.PeerLost, RolloutFailed)
         if not isinstance(e, stopped) and not preempt.requested():
             peers.explain_lost_peer(e, env.health, rank=env.rank, timeout_s=env.timeout_s)
         raise
     finally:
         preempt.uninstall()
+        if trainer is not None:
+            trainer.sampler.close()  # vLLM's and the reward's processes
         if owned is not None:
             owned.release()
         distributed.shutdown()
@@ -158,7 +166,13 @@ def _set_up(cfg: ExperimentConfig, env) -> _Trainer:
     optimizer = build_optimizer(chunks, lr=o.lr, optimizer=o.name, weight_decay=o.weight_decay,
                                 clip_grad=o.clip_grad, adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2,
                                 bf16=cfg.model.dtype == "bf16")
-    sampler = Sampler(cfg.model, cfg.rollout, seed=cfg.run.seed, device=env.device)
+    if cfg.data.prompts is None:
+        sampler = Sampler(cfg.model, cfg.rollout, seed=cfg.run.seed, device=env.device)
+    else:
+        try:
+            sampler = PromptSampler(cfg, rank=env.rank, device=env.device)
+        except ValueError as e:  # the rows do not fit the microbatch budget: the same on every rank
+            raise ConfigError(str(e)) from None
     step_cfg = StepConfig(micro_batch_size=p.micro_batch_size, temperature=cfg.rollout.temperature,
                           max_tokens_per_microbatch=p.max_tokens_per_microbatch)
     return _Trainer(cfg=cfg, env=env, chunks=chunks, optimizer=optimizer, sampler=sampler, step_cfg=step_cfg,

@@ -15,7 +15,7 @@ the kept sets (compressed rows) and the logprobs renormalised over them (samplin
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
@@ -43,6 +43,7 @@ class Batch:
     correct: Tensor           # [n, answer_len] bool
     version: int              # policy version that sampled it
     keep: Optional[KeptSet] = None  # the kept set of every [n, total_len - 1] target (top_k / top_p)
+    info: dict = field(default_factory=dict)  # the sampler's own metrics (vLLM: sync and rollout time, rewards)
 
     def rollout_fields(self) -> dict[str, Tensor]:
         """The global batch as step.Rollouts fields; Rollouts.dp_shard splits it over DP."""
@@ -172,4 +173,8 @@ class Sampler:
 
     def load_state_dict(self, state: dict) -> None:
         self.versions = dict(state["versions"])
+        self._built = None
+
+    def close(self) -> None:
+        """Free the engine; PromptSampler also stops its processes."""
         self._built = None

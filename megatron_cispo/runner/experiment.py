@@ -22,6 +22,7 @@ import yaml
 from ..config import ConfigError, LossConfig, apply_overrides, check_field_types, config_field, from_dict, \
     parse_override_value, to_dict
 from ..losses import check_loss_config, get_policy_loss
+from .data import DataConfig, check_data_rollout
 from .model import ModelConfig, hf_shape
 
 
@@ -115,10 +116,15 @@ class RolloutConfig:
     staleness: int = config_field(2, "Policy versions the sampler lags: step t samples with version max(0, t-k).")
     temperature: float = config_field(1.0, "Sampler temperature (the trainer scores with the same).")
     precision: Literal["fp32", "bf16"] = config_field("bf16", "Sampler weights/compute dtype.")
-    engine: Literal["torch", "hf"] = config_field(
+    engine: Literal["torch", "hf", "vllm"] = config_field(
         "torch", "The sampler: torch = our plain-PyTorch copy of the synthetic GPT (model.hf_path unset); "
         "hf = transformers' own model of model.hf_path's family, on the trainer's weights synced every step "
-        "through the export mapping (hf/mapping.py). Task symbols are token ids 0..base+3 of the HF vocabulary.")
+        "through the export mapping (hf/mapping.py). Task symbols are token ids 0..base+3 of the HF vocabulary. "
+        "vllm = vLLM's offline engine in its own process (rank 0 starts it), on the same synced weights, "
+        "sampling data.prompts (needs the [vllm] extra, model.hf_path and data.prompts).")
+    max_new_tokens: int = config_field(
+        16, "With data.prompts: the most tokens a sample may take; EOS ends it earlier. A sample that reaches "
+        "it is truncated (rollout/truncated_frac).")
     top_k: int = config_field(
         0, "Sampler top-k after temperature: keep the k most likely tokens (ties kept), 0 = off. With top_k "
         "or top_p on, the sampler returns its kept sets and every trainer pass scores over them "
@@ -130,7 +136,7 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         check_field_types(self)
         for name, low in (("digits", 1), ("base", 2), ("prompts_per_step", 1), ("group_size", 2), ("staleness", 0),
-                          ("top_k", 0)):
+                          ("top_k", 0), ("max_new_tokens", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"rollout.{name} must be >= {low}, got {getattr(self, name)}")
         if not 0 < self.top_p <= 1:
@@ -221,10 +227,37 @@ class ExperimentConfig:
     loss: LossConfig = config_field(factory=LossConfig, doc="The policy loss (megatron_cispo.config.LossConfig).")
     optimizer: OptimizerConfig = config_field(factory=OptimizerConfig, doc="Optimizer and LR schedule.")
     rollout: RolloutConfig = config_field(factory=RolloutConfig, doc="Task, sampler and async settings.")
+    data: DataConfig = config_field(factory=DataConfig, doc="Prompts from a file and a reward function "
+                                    "(rollout.engine: vllm); unset = the synthetic task.")
     run: RunConfig = config_field(factory=RunConfig, doc="Steps, seed, outputs, checkpoints.")
 
     def __post_init__(self) -> None:
         check_field_types(self)
+        r, p = self.rollout, self.parallelism
+        check_data_rollout(self.data, r, self.model)
+        if self.data.prompts is None:
+            self._check_task_geometry()
+        hf = self.model.hf_path is not None
+        if r.engine in ("hf", "vllm") and not hf:
+            raise ValueError(f"rollout.engine={r.engine!r} samples with model.hf_path's family; set "
+                             "model.hf_path, or use rollout.engine: torch for the synthetic GPT")
+        if r.engine == "torch" and hf:
+            raise ValueError(f"rollout.engine='torch' samples with the synthetic GPT only; model.hf_path="
+                             f"{self.model.hf_path!r} needs rollout.engine: hf (or vllm with data.prompts)")
+        if self.run.steps == 0 and not self.run.export_hf:
+            raise ValueError("run.steps=0 trains nothing; it is for run.export_hf=true (export the loaded "
+                             "model). Set run.steps >= 1")
+        if self.run.export_hf and not hf:
+            raise ValueError("run.export_hf=true writes a Hugging Face directory of model.hf_path's family; "
+                             "set model.hf_path (the synthetic GPT has no HF architecture)")
+        self.model.check_layout(tp=p.tp, pp=p.pp, vp=p.vp, cp=p.cp, ep=p.ep, sequence_parallel=p.sequence_parallel)
+        try:  # the registry's rules (unknown loss, rollout anchor + TIS), once per experiment
+            check_loss_config(self.loss)
+        except ValueError as e:
+            raise ValueError(f"loss: {e}") from None
+
+    def _check_task_geometry(self) -> None:
+        """The synthetic task's sequences fit the model and the microbatch token budget."""
         r, p = self.rollout, self.parallelism
         if p.max_tokens_per_microbatch is not None and p.max_tokens_per_microbatch < r.total_len - 1:
             raise ValueError(f"parallelism.max_tokens_per_microbatch={p.max_tokens_per_microbatch} is smaller than "
@@ -235,25 +268,6 @@ class ExperimentConfig:
         if self.model.seq_length < r.total_len - 1:
             raise ValueError(f"model.seq_length={self.model.seq_length} is too short for task "
                              f"{r.task!r} with {r.digits} digits: needs >= {r.total_len - 1}")
-        hf = self.model.hf_path is not None
-        if r.engine == "hf" and not hf:
-            raise ValueError("rollout.engine='hf' samples with transformers' model of model.hf_path; set "
-                             "model.hf_path, or use rollout.engine: torch for the synthetic GPT")
-        if r.engine == "torch" and hf:
-            raise ValueError(f"rollout.engine='torch' samples with the synthetic GPT only; model.hf_path="
-                             f"{self.model.hf_path!r} needs rollout.engine: hf")
-        if self.run.steps == 0 and not self.run.export_hf:
-            raise ValueError("run.steps=0 trains nothing; it is for run.export_hf=true (export the loaded "
-                             "model). Set run.steps >= 1")
-        if self.run.export_hf and not hf:
-            raise ValueError("run.export_hf=true writes a Hugging Face directory of model.hf_path's family; "
-                             "set model.hf_path (the synthetic GPT has no HF architecture)")
-        p = self.parallelism
-        self.model.check_layout(tp=p.tp, pp=p.pp, vp=p.vp, cp=p.cp, ep=p.ep, sequence_parallel=p.sequence_parallel)
-        try:  # the registry's rules (unknown loss, rollout anchor + TIS), once per experiment
-            check_loss_config(self.loss)
-        except ValueError as e:
-            raise ValueError(f"loss: {e}") from None
 
     @property
     def label(self) -> str:

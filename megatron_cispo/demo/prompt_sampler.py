@@ -1,0 +1,230 @@
+"""The vLLM sampler: data.prompts sampled by vLLM on the trainer's synced weights, scored by data.reward.
+
+    sampler = PromptSampler(cfg, rank=env.rank, device=env.device)   # every rank
+    sampler.sync(version, gather_full_state(chunks))                   # as Sampler: versions queue
+    batch = sampler.rollouts(step)                                     # collective: rank 0 samples, all get it
+
+Rank 0 runs vLLM in its own process (rollout/vllm_engine.py) and the reward in another
+(rollout/rewards.py); the global batch is broadcast to every rank, which keeps its DP shard. Step t
+samples with policy version max(0, t - rollout.staleness): that version's weights are written as a
+Hugging Face directory (hf/export.py, fp32) and reloaded into the running engine, with its prefix
+cache reset, whenever the version changes. Every rank advances the prompt stream alike, so the
+checkpoint (rank 0's state) holds the position and a resumed run continues the stream exactly.
+A sample whose reward failed (exception, non-number, timeout) is left out of the loss.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..hf.export import write_hf_dir
+from ..hf.mapping import to_hf
+from ..kept_set import KeptSet
+from ..rollout.prompts import PromptStream
+from ..runner.data import prompt_limit
+from ..runner.weights import canonical_names
+from .metrics import say
+from .sampler import PAD, Batch, Sampler
+
+
+class RolloutFailed(RuntimeError):
+    """The rollout engine failed; raised alike on every rank after rank 0 printed the one line."""
+
+
+def open_prompts(cfg) -> PromptStream:
+    """data.prompts tokenized with model.hf_path's tokenizer; ValueError (one line) for a bad file or row."""
+    d = cfg.data
+    return PromptStream(d.prompts, tokenizer_path=cfg.model.hf_path, seed=cfg.run.seed, split=d.split,
+                        prompt_key=d.prompt_key, chat_template=d.chat_template,
+                        max_prompt_tokens=prompt_limit(d, cfg.rollout, cfg.model))
+
+
+def check_sources(cfg) -> None:
+    """ValueError (one line) for what data.prompts, data.reward and rollout.engine=vllm need and lack:
+    vLLM not installed, the prompt file, its rows, the reward's import. Before any rank starts."""
+    if cfg.rollout.engine != "vllm":
+        return
+    from ..rollout.rewards import load_reward
+    from ..rollout.vllm_engine import vllm_missing
+
+    missing = vllm_missing()
+    if missing:
+        raise ValueError(missing)
+    open_prompts(cfg)
+    load_reward(cfg.data.reward)
+
+
+def eos_ids(model_dir: str) -> list[int]:
+    """The ids that end a sample: generation_config.json's eos_token_id (an int or a list, as chat models
+    give several), else config.json's; [] = samples end at rollout.max_new_tokens only."""
+    for name in ("generation_config.json", "config.json"):
+        f = Path(model_dir) / name
+        eos = json.loads(f.read_text()).get("eos_token_id") if f.is_file() else None
+        if eos is not None:
+            return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    return []
+
+
+def _seed(run_seed: int, index: int) -> int:
+    """vLLM's per-request seed of stream position `index`: the same prompt samples alike after a resume."""
+    digest = hashlib.sha256(f"vllm:{run_seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def rows_to_batch(rows, rewards: list, *, group_size: int, version: int, info: dict) -> Batch:
+    """Right-padded rows [prompt, completion], the completion's targets in the loss (unless its reward failed)."""
+    n, g = len(rows), group_size
+    total = max(len(p) + len(c.token_ids) for p, c in rows)
+    tokens = torch.full((n, total), PAD, dtype=torch.int64)
+    mask = torch.zeros(n, total - 1, dtype=torch.bool)
+    logps = torch.zeros(n, total - 1)
+    kept: list[list[int]] = [[] for _ in range(n * (total - 1))] if rows[0][1].kept is not None else None
+    for i, (p, c) in enumerate(rows):
+        row = list(p) + list(c.token_ids)
+        tokens[i, :len(row)] = torch.tensor(row)
+        span = slice(len(p) - 1, len(row) - 1)  # targets of the completion's tokens
+        logps[i, span] = torch.tensor(c.logprobs, dtype=torch.float32)
+        mask[i, span] = rewards[i] is not None
+        if kept is not None and rewards[i] is not None:
+            for j, ids in enumerate(c.kept):
+                kept[i * (total - 1) + len(p) - 1 + j] = sorted(ids)
+    lengths = torch.tensor([len(p) + len(c.token_ids) for p, c in rows])
+    ok = torch.tensor([x is not None for x in rewards])
+    r = torch.tensor([x if x is not None else 0.0 for x in rewards], dtype=torch.float32)
+    # group statistics over the scored samples only: a failed one (masked out) moves no other's advantage
+    grouped, okg = r.view(-1, g), ok.view(-1, g).float()
+    count = okg.sum(1, keepdim=True).clamp(min=1)
+    mean = (grouped * okg).sum(1, keepdim=True) / count
+    std = (((grouped - mean) ** 2 * okg).sum(1, keepdim=True) / count).sqrt()
+    advantages = ((grouped - mean) / (std + 1e-6) * okg).reshape(-1)
+    truncated = [c.finish_reason == "length" for _, c in rows]
+    info.update({"rollout/truncated_frac": sum(truncated) / n,
+                 "rollout/new_tokens_mean": sum(len(c.token_ids) for _, c in rows) / n})
+    keep = KeptSet.from_lists(kept) if kept is not None else None
+    return Batch(tokens=tokens, lengths=lengths, loss_mask=mask, rollout_logprobs=logps.masked_fill(~mask, 0.0),
+                 rewards=r, advantages=advantages, correct=((r == 1) & ok)[:, None], version=version,
+                 keep=keep, info=info)
+
+
+class PromptSampler(Sampler):
+    def __init__(self, cfg, *, rank: int, device: torch.device | str = "cpu"):
+        super().__init__(cfg.model, cfg.rollout, seed=cfg.run.seed, device=device)
+        self.exp, self.rank = cfg, rank
+        self.stream = open_prompts(cfg)
+        self.eos = eos_ids(cfg.model.hf_path)
+        longest = self.stream.max_len + cfg.rollout.max_new_tokens - 1  # tokens the trainer reads per row
+        budget = cfg.parallelism.max_tokens_per_microbatch
+        if budget is not None and budget < longest:
+            raise ValueError(f"parallelism.max_tokens_per_microbatch={budget} is smaller than the longest row "
+                             f"({self.stream.max_len} prompt + {cfg.rollout.max_new_tokens} new tokens - 1); raise it")
+        self.engine_: Optional[object] = None  # rank 0: the VLLMEngine
+        self.loaded: Optional[int] = None      # the policy version the engine holds
+        self.reward = None                     # rank 0: the RewardRunner
+        self._tmp = tempfile.mkdtemp(prefix="cispo_vllm_weights_") if rank == 0 else None
+
+    # -- rank 0 ---------------------------------------------------------------------------------------
+    def _export(self, version: int) -> tuple[Path, int]:
+        """Policy version `version` as an HF directory for vLLM; (its path, bytes of weights written)."""
+        out = Path(self._tmp) / f"v{version}"
+        write_hf_dir(to_hf(canonical_names(self.versions[version]), self.model_cfg.arch), self.model_cfg.arch,
+                     out, dtype=torch.float32)
+        return out, sum(f.stat().st_size for f in out.glob("*.safetensors"))
+
+    def _engine_at(self, version: int) -> dict:
+        """Start the engine on `version`, or reload it there; the sync metrics."""
+        from ..rollout.vllm_engine import VLLMEngine
+
+        if self.loaded == version:
+            return {"sync/seconds": 0.0, "sync/bytes": 0.0}
+        t0 = time.perf_counter()
+        path, nbytes = self._export(version)
+        info = {"sync/bytes": float(nbytes)}
+        if self.engine_ is None:
+            r = self.cfg
+            self.engine_ = VLLMEngine(str(path), precision=r.precision, seed=self.seed,
+                                      max_model_len=self.model_cfg.seq_length, kept_sets=r.top_k > 0 or r.top_p < 1)
+            info["rollout/engine_start_s"] = self.engine_.start_seconds
+        else:
+            self.engine_.load_weights(str(path))
+        info["sync/seconds"] = time.perf_counter() - t0
+        if self.loaded is not None:
+            shutil.rmtree(Path(self._tmp) / f"v{self.loaded}", ignore_errors=True)
+        self.loaded = version
+        return info
+
+    def _scores(self, prompts, completions) -> tuple[list, dict]:
+        from ..rollout.rewards import RewardRunner
+
+        if self.reward is None:
+            self.reward = RewardRunner(self.exp.data.reward, timeout_s=self.exp.data.reward_timeout_s)
+        g = self.cfg.group_size
+        records = [p.record for p in prompts for _ in range(g)]
+        ids = [c.token_ids for c in completions]
+        t0 = time.perf_counter()
+        res = self.reward.score(records, [self.stream.decode(i) for i in ids], ids)
+        if res.first_failure:
+            say(f"[{self.exp.label}] reward: {res.errors} errors, {res.timeouts} timeouts, {res.non_numbers} "
+                f"non-numbers this step (those samples are left out of the loss); first: {res.first_failure}")
+        return res.rewards, {"reward/errors": float(res.errors), "reward/timeouts": float(res.timeouts),
+                             "reward/non_numbers": float(res.non_numbers), "reward/seconds": time.perf_counter() - t0}
+
+    def _sample(self, step: int, prompts) -> Batch:
+        version = self._held_version(step)
+        info = self._engine_at(version)
+        r, g = self.cfg, self.cfg.group_size
+        t0 = time.perf_counter()
+        out = self.engine_.generate([p.token_ids for p in prompts], n=g, max_new_tokens=r.max_new_tokens,
+                                    temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                                    seeds=[_seed(self.seed, p.index) for p in prompts], stop_token_ids=self.eos)
+        info["rollout/seconds"] = time.perf_counter() - t0
+        completions = [c for per_prompt in out for c in per_prompt]
+        rewards, scored = self._scores(prompts, completions)
+        info.update(scored)
+        rows = [(prompts[i // g].token_ids, c) for i, c in enumerate(completions)]
+        info["rollout/prompt_index_first"] = float(prompts[0].index)
+        return rows_to_batch(rows, rewards, group_size=g, version=version, info=info)
+
+    # -- every rank -----------------------------------------------------------------------------------
+    def rollouts(self, step: int) -> Batch:
+        """Collective: the global batch of 0-based `step`, sampled on rank 0 and broadcast."""
+        prompts = self.stream.take(self.cfg.prompts_per_step)  # every rank alike: the position is checkpointed
+        box: list = [None]
+        if self.rank == 0:
+            try:
+                box[0] = self._sample(step, prompts)
+            except Exception as e:  # the engine or the export failed: every rank must stop, not wait
+                box[0] = f"[{self.exp.label}] rollout at step {step + 1} failed: {e}"
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0, device=torch.device(self.device) if str(self.device) != "cpu" else None)
+        if isinstance(box[0], str):
+            if self.rank == 0:
+                say(box[0])
+            raise RolloutFailed(box[0])
+        return box[0]
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "prompts": self.stream.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if "prompts" not in state:
+            raise ValueError("the checkpoint's sampler has no prompt position (it ran the synthetic task); "
+                             "resume it without data.prompts, or start a fresh run_dir")
+        self.stream.load_state_dict(state["prompts"])
+        self.loaded = None  # the engine reloads the checkpoint's weights before it samples again
+
+    def close(self) -> None:
+        for part in (self.engine_, self.reward):
+            if part is not None:
+                part.close()
+        self.engine_ = self.reward = None
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
