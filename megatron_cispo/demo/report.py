@@ -78,6 +78,8 @@ def summarize(run_dir: str | Path) -> dict:
         "clip_frac_max": _max(_col(recs, "clip_frac", 0.0)),
         "ratio_min": _min(_col(recs, "ratio_min")), "ratio_max": _max(_col(recs, "ratio_max")),
         "lag_max": max((r.get("policy_version_lag", 0) for r in recs), default=0),
+        # KL(pi_rollout || pi_old) per token (k3), where the run computed pi_old (the old anchor's recompute)
+        "mismatch_k3": _mean(_col(recs, "mismatch/k3_kl")),
         "elapsed_s": _col(recs[-1:], "elapsed_s")[0] if recs else float("nan"),
         "skipped_nonfinite": sum(_finite(_col(recs, "step/skipped_nonfinite", 0.0))),
         "clip_range": loss_cfg.cispo.bounds() if cispo else None,  # (floor, cap) of the CISPO weight
@@ -114,14 +116,18 @@ def checks(s: dict) -> list[tuple[str, bool | None]]:
     return out
 
 
+def _k3(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.2e}"
+
+
 def table(summaries: list[dict]) -> str:
     head = f"{'run':<16} {'steps':>5} {'reward first10%':>15} {'last10%':>8} {'gain':>6} " \
-           f"{'clip frac':>10} {'ratio min':>10} {'ratio max':>10} {'lag':>4} {'time':>6}"
+           f"{'clip frac':>10} {'ratio min':>10} {'ratio max':>10} {'lag':>4} {'k3 mismatch':>11} {'time':>6}"
     rows = [head, "-" * len(head)]
     for s in summaries:
         rows.append(f"{s['label']:<16} {s['steps']:>5} {s['reward_first']:>15.3f} {s['reward_last']:>8.3f} "
                     f"{s['gain']:>5.2f}x {s['clip_frac_mean']:>10.4f} {s['ratio_min']:>10.6f} "
-                    f"{s['ratio_max']:>10.6f} {s['lag_max']:>4} {s['elapsed_s']:>5.0f}s")
+                    f"{s['ratio_max']:>10.6f} {s['lag_max']:>4} {_k3(s['mismatch_k3']):>11} {s['elapsed_s']:>5.0f}s")
     return "\n".join(rows)
 
 

@@ -1,0 +1,73 @@
+"""rollout.engine=vllm through the CLI: vLLM (its own process, next to rank 0) samples the shipped
+add task from its JSONL on the trainer's weights, reloaded after every optimizer step; the exact-match
+reward scores it; megatron trains on 2 gloo ranks.
+
+With fp32, rollout.staleness=0 and the rollout anchor, the CISPO ratio pi_theta / pi_rollout is the
+sampler/trainer mismatch itself, so every step's ratio within 1e-4 of 1 shows that each sync reached
+the engine and its prefix cache was reset (a stale engine or cache gives ratios far from 1). With
+staleness 1 it is not. With top_p the trainer scores over vLLM's kept sets (sampling-mask replay).
+A run stopped at a checkpoint and resumed continues the prompt stream exactly, and its engine
+starts on the checkpoint's weights (the ratio stays within 1e-4 of 1 after the resume).
+"""
+import importlib.util
+import os
+
+import pytest
+
+from e2e_helpers import ROOT, metrics, torchrun
+
+YAML = str(ROOT / "yaml_configs" / "vllm_qwen2_tiny.yaml")
+if importlib.util.find_spec("vllm") is None:
+    if os.environ.get("CISPO_REQUIRE_VLLM") == "1":
+        raise RuntimeError("CISPO_REQUIRE_VLLM=1 but vLLM is not installed here: VLLM=1 bash launch/setup_env.sh")
+    pytest.skip("vLLM is not installed (VLLM=1 bash launch/setup_env.sh); CI's tier 1 has it",
+                allow_module_level=True)
+
+FAST = ["rollout.precision=fp32", "rollout.staleness=0", "rollout.prompts_per_step=4", "rollout.group_size=4",
+        "parallelism.micro_batch_size=16", "parallelism.tp=1", "parallelism.sequence_parallel=false",
+        "run.log_interval=1", "run.tensorboard=false", "run.checkpoint_interval=0", "optimizer.lr=3e-2"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from megatron_cispo.tools.make_tiny_hf import make_tiny_hf
+
+    return make_tiny_hf("qwen2", tmp_path_factory.mktemp("vllm_cli") / "qwen2", vocab=16, seed=3)
+
+
+def _run(model, run_dir, *overrides, steps: int) -> list[dict]:
+    torchrun(2, [YAML, f"model.hf_path={model}", f"run.run_dir={run_dir}", f"run.steps={steps}", *FAST,
+                 *overrides], timeout=600)
+    return metrics(run_dir)
+
+
+def _off_one(r) -> float:
+    return max(abs(r["cispo/ratio_min"] - 1), abs(r["cispo/ratio_max"] - 1))
+
+
+def test_staleness_0_fp32_ratio_is_1_every_step_and_a_resume_continues_the_prompts(model, tmp_path):
+    run_dir = tmp_path / "run"
+    first = _run(model, run_dir, "run.checkpoint_interval=2", steps=2)
+    recs = _run(model, run_dir, "run.checkpoint_interval=2", "run.resume=true", steps=4)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    assert [r["step"] for r in first] == [1, 2]
+    for r in recs:
+        assert _off_one(r) <= 1e-4, (r["step"], r["cispo/ratio_min"], r["cispo/ratio_max"])
+        assert r["policy_version_lag"] == 0 and r["sync/bytes"] > 0 and r["rollout/seconds"] > 0
+    # 4 prompts a step: the stream positions run on across the resume, none twice, none skipped
+    assert [r["rollout/prompt_index_first"] for r in recs] == [0, 4, 8, 12]
+    assert all(r["grad_norm"] > 0 for r in recs), [r["grad_norm"] for r in recs]
+    assert "rollout/engine_start_s" in recs[0] and "rollout/engine_start_s" in recs[2]  # the resumed engine
+
+
+def test_staleness_1_moves_the_ratio_off_1(model, tmp_path):
+    recs = _run(model, tmp_path / "run", "rollout.staleness=1", steps=3)
+    assert [r["policy_version_lag"] for r in recs] == [0, 1, 1]
+    assert _off_one(recs[0]) <= 1e-4
+    assert min(_off_one(r) for r in recs[1:]) > 1e-3, [_off_one(r) for r in recs]
+
+
+def test_top_p_replays_the_kept_sets_ratio_still_1(model, tmp_path):
+    recs = _run(model, tmp_path / "run", "rollout.top_p=0.9", "rollout.top_k=6", steps=2)
+    for r in recs:
+        assert _off_one(r) <= 1e-4, (r["step"], r["cispo/ratio_min"], r["cispo/ratio_max"])
