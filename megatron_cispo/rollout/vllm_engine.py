@@ -1,0 +1,210 @@
+"""vLLM's offline engine as the rollout sampler, run in its own child process (vllm_worker), so it never
+touches the trainer's torch.distributed groups, works at any trainer world size, and a crash in vLLM is
+one EngineError line here (the child's log holds the rest).
+
+    eng = VLLMEngine("runs/x/hf/step_0", precision="fp32", max_model_len=256, seed=0, kept_sets=True)
+    eng.load_weights("runs/x/hf/step_1")                 # after each optimizer step (an export dir)
+    out = eng.generate(prompts, n=4, max_new_tokens=32, temperature=1.0, top_k=0, top_p=0.9,
+                       seeds=[0, 4, 8], stop_token_ids=[eos])  # out[i][j]: sample j of prompt i
+"""
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+from .reward_worker import recv, send
+
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16"}
+CALL_TIMEOUT_S = 3600.0  # generous: a hung child must end as an error, never hang the trainer
+# torchrun's variables: with them the child's vLLM would join the trainer's group instead of making its own
+_TORCHRUN_ENV = re.compile(r"^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK|GROUP_WORLD_SIZE|ROLE_\w+|"
+                           r"MASTER_ADDR|MASTER_PORT|TORCHELASTIC_\w+|TORCH_ELASTIC_\w+)$")
+# the child's defaults (the caller's environment wins): in-process engine (the 3-process default
+# starts in minutes), a small CPU KV cache, no thread pinning on a shared machine, quiet logs
+_CHILD_DEFAULTS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+                   "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_LOGGING_LEVEL": "WARNING",
+                   "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1"}
+_WORKER = "from megatron_cispo.rollout.vllm_worker import serve; serve()"
+
+
+class EngineError(RuntimeError):
+    """The vLLM engine failed; the message is one line: what failed, the cause, the fix or the log."""
+
+
+def vllm_missing() -> str | None:
+    """None when vLLM is importable in this python (checked without importing it), else one line."""
+    if importlib.util.find_spec("vllm") is not None:
+        return None
+    return ("rollout.engine=vllm needs vLLM, which this python cannot import: pip install -e '.[vllm]' "
+            "(CPU: launch/setup_env.sh with VLLM=1)")
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: list[int]  # the sampled tokens, the stop token included when it ended the sample
+    logprobs: list[float]  # per token: vLLM's processed logprob (temperature, top-k/top-p, renormalised)
+    finish_reason: str  # "stop" (a stop token) or "length" (max_new_tokens)
+    kept: list[list[int]] | None  # per token the kept set's ids, ascending (kept_sets and top-k/top-p on)
+
+
+def _last_error(log: Path) -> str:
+    """The log's last line that names an error, else its last line: what the child died of."""
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "no log"
+    errors = [ln for ln in lines if re.search(r"(Error|Exception|Killed|Traceback)\b", ln)
+              and not ln.startswith("Traceback")]
+    return (errors or lines or ["empty log"])[-1][-300:]
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the child leads its own session: its threads and helpers
+        except (ProcessLookupError, PermissionError):
+            proc.kill()
+    proc.wait()
+
+
+class VLLMEngine:
+    """One vLLM engine on `model_dir` (an HF directory) in a child process. Every method blocks; a
+    failure, the child's death or a timeout raises EngineError and leaves the engine closed."""
+
+    def __init__(self, model_dir: str, *, precision: str, max_model_len: int, seed: int, kept_sets: bool,
+                 start_timeout_s: float = 900.0, call_timeout_s: float = CALL_TIMEOUT_S,
+                 log_path: str | None = None, engine_kwargs: dict | None = None):
+        """engine_kwargs: more keywords for vllm.LLM (e.g. gpu_memory_utilization on a GPU shared with
+        the trainer). The child's stdout and stderr go to log_path (default: a new file in /tmp)."""
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+        missing = vllm_missing()
+        if missing:
+            raise EngineError(missing)
+        self.max_model_len, self.kept_sets, self.call_timeout_s = max_model_len, kept_sets, call_timeout_s
+        self.last_generate_seconds = 0.0
+        self.proc: subprocess.Popen | None = None
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix="vllm_engine_", suffix=".log")
+            os.close(fd)
+        self.log_path = Path(log_path)
+        env = {k: v for k, v in os.environ.items() if not _TORCHRUN_ENV.match(k)}
+        env = {**_CHILD_DEFAULTS, **env}
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        cfg = {"model_dir": str(Path(model_dir).resolve()), "dtype": PRECISIONS[precision],
+               "max_model_len": max_model_len, "seed": seed, "kept_sets": kept_sets,
+               "engine_kwargs": dict(engine_kwargs or {})}
+        t0 = time.perf_counter()
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
+        self._finalizer = weakref.finalize(self, _kill, self.proc)  # on garbage collection and at exit
+        atexit.register(self._finalizer)
+        send(self.proc.stdin, (cfg, os.getpid()))
+        self._call(None, None, f"starting vLLM on {model_dir}", start_timeout_s,
+                   f"check that {model_dir} is an HF model directory vLLM supports")
+        self.start_seconds = time.perf_counter() - t0
+
+    def load_weights(self, model_dir: str) -> float:
+        """The child reloads every weight from HF directory `model_dir` (same architecture) and resets
+        the prefix cache (KV of the old weights would give wrong logprobs). Returns seconds."""
+        t0 = time.perf_counter()
+        self._call("load", str(Path(model_dir).resolve()), f"loading weights from {model_dir}",
+                   self.call_timeout_s, "it must hold the engine's model architecture (an export of it)")
+        return time.perf_counter() - t0
+
+    def generate(self, prompts: list[list[int]], *, n: int, max_new_tokens: int, temperature: float,
+                 top_k: int, top_p: float, seeds: list[int], stop_token_ids: list[int]) -> list[list[Completion]]:
+        """n samples per prompt (token ids); sample j of prompt i is seeded with seeds[i] + j (vLLM's
+        parallel sampling), so the same seeds and weights give the same completions. top_k 0 and
+        top_p 1 are off. Returns [prompt][sample]."""
+        if len(seeds) != len(prompts):
+            raise ValueError(f"seeds: one per prompt, got {len(seeds)} for {len(prompts)} prompts")
+        for i, p in enumerate(prompts):
+            if not p or len(p) + max_new_tokens > self.max_model_len:
+                raise ValueError(f"prompt {i}: {len(p)} tokens + max_new_tokens {max_new_tokens} must be "
+                                 f"1..max_model_len {self.max_model_len}")
+        spans = sorted((s, i) for i, s in enumerate(seeds))
+        for (a, i), (b, j) in zip(spans, spans[1:]):
+            if b < a + n:
+                raise ValueError(f"seeds of prompts {i} and {j} ({a}, {b}) are less than n={n} apart: sample k "
+                                 "of a prompt uses seed + k, so their samples would share seeds")
+        t0 = time.perf_counter()
+        args = dict(prompts=[list(map(int, p)) for p in prompts], n=n, max_new_tokens=max_new_tokens,
+                    temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
+                    seeds=[int(s) for s in seeds], stop_token_ids=[int(t) for t in stop_token_ids])
+        out = self._call("generate", args, f"generating {len(prompts)} prompts x {n}", self.call_timeout_s,
+                         "see the log")
+        self.last_generate_seconds = time.perf_counter() - t0
+        return [[Completion(*c) for c in samples] for samples in out]
+
+    def close(self) -> None:
+        """Stop the child (idempotent): ask it to exit, then kill its session after a short wait."""
+        self._stop(polite=True)
+
+    def _stop(self, polite: bool) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if polite and proc.poll() is None:
+            try:
+                send(proc.stdin, ("close", None))
+                proc.wait(timeout=10)
+            except (OSError, ValueError, subprocess.TimeoutExpired):
+                pass
+        _kill(proc)
+        for f in (proc.stdin, proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+        atexit.unregister(self._finalizer)
+        self._finalizer.detach()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - never raise from a finaliser
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _call(self, op, arg, what: str, timeout_s: float, fix: str):
+        """Send (op, arg) (op None: only wait for the start reply) and return the child's value; any
+        failure closes the engine and raises EngineError (one line)."""
+        if self.proc is None:
+            raise EngineError(f"vLLM engine: {what} on a closed engine (it failed earlier or was closed)")
+        try:
+            if op is not None:
+                send(self.proc.stdin, (op, arg))
+            kind, value = recv(self.proc.stdout.fileno(), time.monotonic() + timeout_s)
+        except TimeoutError:
+            msg = f"vLLM engine: {what} took more than {timeout_s:.0f} s; killed it (log: {self.log_path})"
+        except (EOFError, OSError, ValueError):
+            try:
+                rc = self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                rc = "none: it closed the pipe"
+            msg = (f"vLLM engine process died while {what} (exit {rc}): {_last_error(self.log_path)} "
+                   f"(log: {self.log_path})")
+        else:
+            if kind == "ok":
+                return value
+            msg = f"vLLM engine: {what} failed: {value}; {fix} (log: {self.log_path})"
+        self._stop(polite=False)
+        raise EngineError(msg)
