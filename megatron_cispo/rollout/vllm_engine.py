@@ -121,7 +121,7 @@ class VLLMEngine:
         the prefix cache (KV of the old weights would give wrong logprobs). Returns seconds."""
         t0 = time.perf_counter()
         self._call("load", str(Path(model_dir).resolve()), f"loading weights from {model_dir}",
-                   self.call_timeout_s, "it must hold the engine's model architecture (an export of it)")
+                   self.call_timeout_s, "it must be an export of the engine's model")
         return time.perf_counter() - t0
 
     def generate(self, prompts: list[list[int]], *, n: int, max_new_tokens: int, temperature: float,

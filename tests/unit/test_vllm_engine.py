@@ -157,6 +157,18 @@ def test_a_model_vllm_cannot_run_is_one_engine_error_line(tmp_path, case):
     assert "\n" not in msg and expect in msg and "log: " in msg, msg
 
 
+@needs_vllm
+def test_an_moe_model_samples_but_refuses_a_weight_reload_on_cpu(tmp_path):
+    from megatron_cispo.tools.make_tiny_hf import make_tiny_hf
+    moe = str(make_tiny_hf("qwen3_moe", tmp_path / "moe", hidden=96))  # head_dim 96/4 + 8 = 32
+    with VLLMEngine(moe, precision="fp32", max_model_len=64, seed=0, kept_sets=False) as eng:
+        out = eng.generate(PROMPTS[:1], seeds=[0], top_k=0, top_p=1.0, **KW)
+        assert len(out[0][1].token_ids) == 8
+        with pytest.raises(EngineError, match="loading weights from .*: ValueError: vLLM's CPU reload_weights does "
+                                              "not restore this qwen3_moe model's MoE layers"):
+            eng.load_weights(moe)
+
+
 # the pipe and process handling, with a stand-in worker instead of vLLM (no vLLM needed)
 FAKE = ("import os, sys, time; from megatron_cispo.rollout.reward_worker import recv, send; "
         "out = os.fdopen(os.dup(1), 'wb'); recv(0, None); send(out, ('ok', 0.0)); op = recv(0, None); {}")
