@@ -4,7 +4,8 @@
 #   bash launch/demo_vllm.sh                      # CPU: 2 gloo processes + vLLM's own process
 #   STEPS=10 OUT=runs/demo_vllm_short bash launch/demo_vllm.sh run.seed=7   # extra args are config overrides
 # Installs vLLM's CPU build into ./.venv on first use (VLLM=1 launch/setup_env.sh: lean, torch kept),
-# makes the tiny random Qwen2 (vocabulary 16: the task's digits, <bos>, <sep>, +, <eos> and 2 spare),
+# makes the tiny random Qwen2 (vocabulary 16: the task's digits, <bos>, <sep>, +, <eos> and 2 spare; head_dim
+# 32, the smallest vLLM's CPU attention has a kernel for),
 # runs yaml_configs/vllm_qwen2_tiny.yaml with loss.cispo.anchor rollout, then old, and prints the
 # comparison table (with the measured sampler/trainer mismatch) and writes OUT/comparison.png.
 # HF_MODEL=DIR trains another model directory of a supported family instead of the tiny one.
@@ -16,7 +17,7 @@ source launch/common.sh
 OUT=${OUT:-runs/demo_vllm}
 MODEL=${HF_MODEL:-runs/models/tiny_qwen2_v16}
 if [ ! -f "$MODEL/config.json" ]; then
-  "$PY" -m megatron_cispo.tools.make_tiny_hf --family qwen2 --vocab 16 "$MODEL"
+  "$PY" -m megatron_cispo.tools.make_tiny_hf --family qwen2 --vocab 16 --heads 2 --kv-heads 2 "$MODEL"
 fi
 extra=("model.hf_path=$MODEL")
 if [ -n "${STEPS:-}" ]; then extra+=("run.steps=$STEPS"); fi

@@ -73,10 +73,11 @@ def eos_ids(model_dir: str) -> list[int]:
     return []
 
 
-def _seed(run_seed: int, index: int) -> int:
-    """vLLM's per-request seed of stream position `index`: the same prompt samples alike after a resume."""
-    digest = hashlib.sha256(f"vllm:{run_seed}:{index}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+def _seed(run_seed: int, index: int, group_size: int) -> int:
+    """vLLM's seed for stream position `index` (its samples take seed + 0 .. group_size - 1): a function
+    of the position, so a resumed run samples the same prompt alike, and never shared between prompts."""
+    base = int.from_bytes(hashlib.sha256(f"vllm:{run_seed}".encode()).digest()[:4], "little") >> 2
+    return base + index * group_size
 
 
 def rows_to_batch(rows, rewards: list, *, group_size: int, version: int, info: dict) -> Batch:
@@ -183,7 +184,7 @@ class PromptSampler(Sampler):
         t0 = time.perf_counter()
         out = self.engine_.generate([p.token_ids for p in prompts], n=g, max_new_tokens=r.max_new_tokens,
                                     temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                                    seeds=[_seed(self.seed, p.index) for p in prompts], stop_token_ids=self.eos)
+                                    seeds=[_seed(self.seed, p.index, g) for p in prompts], stop_token_ids=self.eos)
         info["rollout/seconds"] = time.perf_counter() - t0
         completions = [c for per_prompt in out for c in per_prompt]
         rewards, scored = self._scores(prompts, completions)

@@ -25,7 +25,7 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 def model(tmp_path_factory):
     from megatron_cispo.tools.make_tiny_hf import make_tiny_hf
 
-    return make_tiny_hf("qwen2", tmp_path_factory.mktemp("vllm_bad") / "qwen2", vocab=16)
+    return make_tiny_hf("qwen2", tmp_path_factory.mktemp("vllm_bad") / "qwen2", vocab=16, heads=2, kv_heads=2)
 
 
 def _check(capsys, model, *overrides) -> str:
@@ -73,7 +73,7 @@ def test_engine_vllm_without_vllm_names_the_extra(model, tmp_path):
     (run_dir / "earlier.txt").write_text("an earlier run's file")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([python, "-m", "megatron_cispo.train", YAML, "--check", "--world-size", "2",
-                           f"model.hf_path={model}", f"run.run_dir={run_dir}"],
+                           f"model.hf_path={model}", f"run.run_dir={run_dir}", "run.resume=true"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     err = proc.stderr.strip()
     assert proc.returncode == EXIT_CONFIG and len(err.splitlines()) == 1, err

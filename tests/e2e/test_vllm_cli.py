@@ -24,21 +24,32 @@ if importlib.util.find_spec("vllm") is None:
                 allow_module_level=True)
 
 FAST = ["rollout.precision=fp32", "rollout.staleness=0", "rollout.prompts_per_step=4", "rollout.group_size=4",
-        "parallelism.micro_batch_size=16", "parallelism.tp=1", "parallelism.sequence_parallel=false",
-        "run.log_interval=1", "run.tensorboard=false", "run.checkpoint_interval=0", "optimizer.lr=3e-2"]
+        "parallelism.micro_batch_size=8", "parallelism.tp=1", "parallelism.sequence_parallel=false",
+        "run.log_interval=1", "run.tensorboard=false", "run.checkpoint_interval=0", "optimizer.lr=1e-2"]
+
+
+# The shipped exact-match reward is 0 for nearly every sample of a random model, and a step without
+# advantages leaves the weights where they were: then a sync that never arrived would pass unseen.
+# This reward (a file, as data.reward may name one) differs within every group, so each step moves them.
+REWARD = "def spread(record, completion, token_ids):\n    return float(sum(token_ids) % 5)\n"
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     from megatron_cispo.tools.make_tiny_hf import make_tiny_hf
 
-    return make_tiny_hf("qwen2", tmp_path_factory.mktemp("vllm_cli") / "qwen2", vocab=16, seed=3)
+    root = tmp_path_factory.mktemp("vllm_cli")
+    (root / "spread.py").write_text(REWARD)
+    return make_tiny_hf("qwen2", root / "qwen2", vocab=16, heads=2, kv_heads=2, seed=3)
 
 
 def _run(model, run_dir, *overrides, steps: int) -> list[dict]:
-    torchrun(2, [YAML, f"model.hf_path={model}", f"run.run_dir={run_dir}", f"run.steps={steps}", *FAST,
+    reward = f"data.reward={model.parent / 'spread.py'}:spread"
+    torchrun(2, [YAML, f"model.hf_path={model}", f"run.run_dir={run_dir}", f"run.steps={steps}", reward, *FAST,
                  *overrides], timeout=600)
-    return metrics(run_dir)
+    recs = metrics(run_dir)
+    assert all(r["grad_norm"] > 0 for r in recs), [r["grad_norm"] for r in recs]
+    return recs
 
 
 def _off_one(r) -> float:
@@ -56,7 +67,6 @@ def test_staleness_0_fp32_ratio_is_1_every_step_and_a_resume_continues_the_promp
         assert r["policy_version_lag"] == 0 and r["sync/bytes"] > 0 and r["rollout/seconds"] > 0
     # 4 prompts a step: the stream positions run on across the resume, none twice, none skipped
     assert [r["rollout/prompt_index_first"] for r in recs] == [0, 4, 8, 12]
-    assert all(r["grad_norm"] > 0 for r in recs), [r["grad_norm"] for r in recs]
     assert "rollout/engine_start_s" in recs[0] and "rollout/engine_start_s" in recs[2]  # the resumed engine
 
 
