@@ -53,13 +53,13 @@ def check_sources(cfg) -> None:
     if cfg.rollout.engine != "vllm":
         return
     from ..rollout.rewards import load_reward
-    from ..rollout.vllm_engine import vllm_missing
+    from ..rollout.vllm_engine import cpu_model_problem, vllm_missing
 
-    missing = vllm_missing()
-    if missing:
-        raise ValueError(missing)
     open_prompts(cfg)
     load_reward(cfg.data.reward)
+    problem = vllm_missing() or cpu_model_problem(cfg.model.arch, cuda=torch.cuda.is_available())
+    if problem:
+        raise ValueError(problem)
 
 
 def eos_ids(model_dir: str) -> list[int]:

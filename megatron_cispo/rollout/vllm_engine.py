@@ -49,6 +49,25 @@ def vllm_missing() -> str | None:
             "(CPU: launch/setup_env.sh with VLLM=1)")
 
 
+# vLLM 0.32's CPU attention kernels (CPUAttentionBackend.get_supported_head_sizes(); a test compares)
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def cpu_model_problem(arch, *, cuda: bool) -> str | None:
+    """One line when vLLM's CPU build cannot serve model `arch` (hf.arch.HFArch) as a synced sampler, else
+    None: what config.json shows, said before any rank starts (the child checks again on start and load)."""
+    if cuda:
+        return None
+    if arch.head_dim not in CPU_HEAD_DIMS:
+        return (f"rollout.engine=vllm on CPU: vLLM's CPU attention has no kernel for head_dim {arch.head_dim} of "
+                f"this {arch.family} model (model.hf_path={arch.path}); it supports {list(CPU_HEAD_DIMS)}")
+    if arch.num_experts:
+        return (f"rollout.engine=vllm on CPU: vLLM 0.32's CPU weight reload does not restore a {arch.family} "
+                f"model's MoE layers (measured: off by up to 0.10 in logprob), so the sampler could not follow "
+                f"the trainer; use rollout.engine: hf on CPU, or vLLM on GPU")
+    return None
+
+
 @dataclass(frozen=True)
 class Completion:
     token_ids: list[int]  # the sampled tokens, the stop token included when it ended the sample

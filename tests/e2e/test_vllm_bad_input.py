@@ -1,6 +1,6 @@
 """data.prompts / data.reward / rollout.engine=vllm: bad input is one line and exit 2, nothing written.
 
-`train --check` reads the prompt file (every row tokenized), imports the reward and looks for vLLM, so
+`train --check` reads the prompt file (every row tokenized), imports the reward, then looks for vLLM, so
 the launch scripts refuse them before any rank starts; a run does the same before run_dir is claimed,
 said once by rank 0, and an earlier run's files stay where they were.
 """
@@ -41,7 +41,6 @@ def _jsonl(path: Path, rows) -> str:
     return str(path)
 
 
-@pytest.mark.skipif(not HAS_VLLM, reason="the checks after vLLM's own need vLLM installed (tier 1 has it)")
 def test_prompt_file_and_reward_problems_are_one_line_each(capsys, model, tmp_path):
     reward_file = tmp_path / "bad_reward.py"
     reward_file.write_text("def score(record, completion):\n    return 1.0\n")
@@ -81,7 +80,6 @@ def test_engine_vllm_without_vllm_names_the_extra(model, tmp_path):
     assert [p.name for p in run_dir.iterdir()] == ["earlier.txt"]
 
 
-@pytest.mark.skipif(not HAS_VLLM, reason="a run with rollout.engine=vllm needs vLLM installed (tier 1 has it)")
 def test_a_run_refuses_a_bad_prompt_file_once_before_touching_run_dir(model, tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()

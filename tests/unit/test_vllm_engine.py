@@ -236,3 +236,23 @@ def test_vllm_missing_names_the_extra(monkeypatch):
     assert "rollout.engine=vllm" in line and "pip install -e '.[vllm]'" in line and "\n" not in line
     with pytest.raises(EngineError, match=r"needs vLLM"):
         VLLMEngine("x", precision="fp32", max_model_len=8, seed=0, kept_sets=False)
+
+
+@needs_vllm
+def test_the_trainer_side_head_dims_are_vllms():
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    assert list(vllm_engine.CPU_HEAD_DIMS) == list(CPUAttentionBackend.get_supported_head_sizes())
+
+
+def test_cpu_model_problem_names_head_dim_and_moe_before_any_rank_starts(tmp_path):
+    from megatron_cispo.hf.arch import read_arch
+    from megatron_cispo.tools.make_tiny_hf import make_tiny_hf
+
+    small = read_arch(_make(tmp_path / "small"))                          # head_dim 16
+    ok = read_arch(_make(tmp_path / "ok", hidden=128))                     # head_dim 32
+    moe = read_arch(str(make_tiny_hf("qwen3_moe", tmp_path / "moe", hidden=96)))  # head_dim 24 + 8 = 32
+    assert "no kernel for head_dim 16 of this qwen2 model" in vllm_engine.cpu_model_problem(small, cuda=False)
+    assert vllm_engine.cpu_model_problem(ok, cuda=False) is None
+    assert "MoE layers" in vllm_engine.cpu_model_problem(moe, cuda=False)
+    assert vllm_engine.cpu_model_problem(small, cuda=True) is None
