@@ -124,11 +124,12 @@ def _k3(x: float) -> str:
 
 
 def table(summaries: list[dict]) -> str:
-    head = f"{'run':<16} {'steps':>5} {'reward first10%':>15} {'last10%':>8} {'gain':>6} " \
+    w = max([16, *(len(s["label"]) for s in summaries)])  # the label column fits the longest label
+    head = f"{'run':<{w}} {'steps':>5} {'reward first10%':>15} {'last10%':>8} {'gain':>6} " \
            f"{'clip frac':>10} {'ratio min':>10} {'ratio max':>10} {'lag':>4} {'k3 mismatch':>11} {'time':>6}"
     rows = [head, "-" * len(head)]
     for s in summaries:
-        rows.append(f"{s['label']:<16} {s['steps']:>5} {s['reward_first']:>15.3f} {s['reward_last']:>8.3f} "
+        rows.append(f"{s['label']:<{w}} {s['steps']:>5} {s['reward_first']:>15.3f} {s['reward_last']:>8.3f} "
                     f"{s['gain']:>5.2f}x {s['clip_frac_mean']:>10.4f} {s['ratio_min']:>10.6f} "
                     f"{s['ratio_max']:>10.6f} {s['lag_max']:>4} {_k3(s['mismatch_k3']):>11} {s['elapsed_s']:>5.0f}s")
     return "\n".join(rows)

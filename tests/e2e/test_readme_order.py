@@ -12,7 +12,7 @@ import torch
 from e2e_helpers import ROOT
 from readme_helpers import README, SHORT, doc_commands
 
-ROW = re.compile(r"^(cispo:\S+)((?:\s+\S+){8})\s+\d+s$", re.M)  # a table row; the last column is the time
+ROW = re.compile(r"^(cispo:\S+)((?:\s+\S+){9})\s+\d+s$", re.M)  # a table row; the last column is the time
 # docs/launch.md names the torch build and CPU capability the table was measured with
 MEASURED = re.compile(r"measured with\s+torch (\S+) on CPU capability (\w+)")
 STEPS, LAG, CLIP, RMIN, RMAX = 0, 7, 4, 5, 6  # column indices (after the run label, without the time)
