@@ -19,16 +19,20 @@ def _own_default_run_dir(monkeypatch, tmp_path_factory):
 @pytest.fixture(scope="session")
 def shipped_env(tmp_path_factory):
     """path -> the environment a shipped YAML runs with: ${HF_MODEL} = the tiny model its header makes
-    (`make_tiny_hf --family F`), made once per family in a tmp dir; {} for the others."""
+    (`make_tiny_hf --family F [--option V ...] DIR`), made once per set of options in a tmp dir; {} for
+    the others."""
     made = {}
 
     def env_for(path: Path) -> dict:
-        family = re.search(r"make_tiny_hf --family (\w+)", path.read_text())
-        if family is None:
+        header = re.search(r"make_tiny_hf (--family \w+(?: --[\w-]+ \S+)*) \S+", path.read_text())
+        if header is None:
             return {}
-        if family[1] not in made:
-            from megatron_cispo.tools.make_tiny_hf import make_tiny_hf
+        args = header[1].split()
+        if header[1] not in made:
+            from megatron_cispo.tools.make_tiny_hf import main
 
-            made[family[1]] = str(make_tiny_hf(family[1], tmp_path_factory.mktemp("tiny_hf") / family[1]))
-        return {"HF_MODEL": made[family[1]]}
+            out = tmp_path_factory.mktemp("tiny_hf") / args[1]
+            assert main([*args, str(out)]) in (0, None), args
+            made[header[1]] = str(out)
+        return {"HF_MODEL": made[header[1]]}
     return env_for

@@ -7,7 +7,6 @@ get `run.steps=2` and the TINY overrides.
 """
 from __future__ import annotations
 
-import hashlib
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 
 from e2e_helpers import ROOT, env
 from megatron_cispo.testing import free_port
-from readme_helpers import CLONE, NOT_RUN, README, doc_commands, shortened
+from readme_helpers import CLONE, NEEDS_VLLM, NOT_RUN, README, doc_commands, shortened
 
 STAMP = ".megatron_cispo_installed"  # launch/setup_env.sh's record of the setup.py it installed
 
@@ -31,6 +30,12 @@ class ReadmeRun:
         return next(p.stdout + p.stderr for c, p in self.ran if c.startswith(prefix))
 
 
+def _venv_has_vllm() -> bool:
+    """Whether ./.venv (the README commands' python) has vLLM; without it demo_vllm.sh would install it."""
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    return subprocess.run([str(ROOT / ".venv" / "bin" / "python"), "-c", probe]).returncode == 0
+
+
 def _fresh_clone(root: Path) -> Path:
     """`root` with the checkout's files (symlinks) and a .venv that launch/setup_env.sh takes as installed:
     the checkout's venv, entry by entry, with its own install stamp, so nothing is reinstalled from here."""
@@ -41,7 +46,7 @@ def _fresh_clone(root: Path) -> Path:
     for item in (ROOT / ".venv").iterdir():
         if item.name != STAMP:
             (venv / item.name).symlink_to(item)
-    (venv / STAMP).write_text(hashlib.sha256((ROOT / "setup.py").read_bytes()).hexdigest()[:16] + "\n")
+    (venv / STAMP).write_text((ROOT / ".venv" / STAMP).read_text())  # as installed: setup_env.sh's own record
     return root
 
 
@@ -53,7 +58,7 @@ def readme_run(tmp_path_factory) -> ReadmeRun:
     run_env.update(MASTER_PORT=port, PET_MASTER_PORT=port)  # bare torchrun reads PET_MASTER_PORT
     ran, skipped = [], []
     for cmd in doc_commands(README.read_text()):
-        if any(cmd.startswith(prefix) for prefix in NOT_RUN):
+        if any(cmd.startswith(prefix) for prefix in NOT_RUN) or (cmd.startswith(NEEDS_VLLM) and not _venv_has_vllm()):
             skipped.append(cmd)
             continue
         proc = subprocess.run(shortened(cmd), cwd=clone, env=run_env, capture_output=True, text=True, timeout=900)

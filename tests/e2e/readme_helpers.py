@@ -14,6 +14,7 @@ CLONE = ("launch", "yaml_configs", "megatron_cispo", "setup.py")
 SHORT = ["run.steps=2", *TINY]
 NOT_RUN = {  # command prefix: why it is not run here
     "bash tests/run.sh": "the test suite itself",
+    "VLLM=1 bash tests/run.sh": "the test suite itself, with vLLM",
     "python -m megatron_cispo.integrations.megatron_lm.run": "needs a Megatron-LM checkout and CUDA "
                                                               "(tests/unit/test_megatron_lm*.py)",
 }
@@ -37,11 +38,19 @@ def doc_commands(text: str) -> list[str]:
     return out
 
 
+# run only where ./.venv has vLLM (CI's first tier); elsewhere it would install vLLM, so it is skipped
+NEEDS_VLLM = "bash launch/demo_vllm.sh"
+SHORT_VLLM = ["run.steps=2", "rollout.prompts_per_step=4", "rollout.group_size=4", "parallelism.micro_batch_size=16",
+              "run.log_interval=1", "run.tensorboard=false", "run.checkpoint_interval=0"]
+
+
 def shortened(cmd: str) -> list[str]:
     """argv for one README command as this test runs it."""
     words = shlex.split(cmd)
     if words[:2] == ["bash", "launch/demo.sh"]:
         return words  # as written: the doc tables are its 60-step numbers
+    if words[:2] == ["bash", "launch/demo_vllm.sh"]:
+        return [*words, *SHORT_VLLM]
     if "megatron_cispo.train" in words or words[:2] == ["bash", "launch/single_node.sh"]:
         return [*words, *SHORT]
     pytest.fail(f"README command {cmd!r}: tests/e2e/conftest.py does not know how to run it; add a rule")

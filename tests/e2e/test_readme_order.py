@@ -38,8 +38,14 @@ def test_doc_commands_run_in_readme_order_each_into_its_own_default_run_dir(read
     assert (runs / "demo" / "comparison.png").stat().st_size > 0
     for anchor in ("rollout", "old"):
         assert (runs / "demo" / anchor / "metrics.jsonl").is_file()
+    if any(cmd.startswith("bash launch/demo_vllm.sh") for cmd, _ in readme_run.ran):
+        assert (runs / "demo_vllm" / "comparison.png").stat().st_size > 0
+        for anchor in ("rollout", "old"):
+            assert len((runs / "demo_vllm" / anchor / "metrics.jsonl").read_text().splitlines()) == 2
     for cmd, _ in readme_run.ran[1:]:  # each YAML run wrote into runs/<its yaml's name>/
-        yaml = next(w for w in shlex.split(cmd) if w.startswith("yaml_configs/"))
+        yaml = next((w for w in shlex.split(cmd) if w.startswith("yaml_configs/")), None)
+        if yaml is None:
+            continue  # a launch script with its own run_dir (demo_vllm.sh: runs/demo_vllm/)
         run_dir = runs / yaml.removeprefix("yaml_configs/").removesuffix(".yaml")
         steps = int(SHORT[0].split("=")[1])
         assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == steps, (cmd, run_dir)
