@@ -100,3 +100,20 @@ def test_the_comparison_of_unrelated_runs_goes_into_the_first_runs_folder_not_th
     (tmp_path / "a" / "x").mkdir(parents=True)
     assert default_png([tmp_path / "a" / "x", tmp_path / "a" / "y"]) == tmp_path / "a" / "comparison.png"
     assert default_png([tmp_path / "x", "/"]) == tmp_path / "x" / "comparison.png"
+
+
+def test_a_prompt_file_pair_shows_its_gain_as_information_and_the_k3_column(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    roll, old = _demo(tmp_path, gain=0.5)  # a reward that fell: the synthetic demo's check would FAIL
+    for d in (roll, old):
+        cfg = json.loads((d / "config.yaml").read_text())
+        (d / "config.yaml").write_text(json.dumps({**cfg, "data": {"prompts": "/p/add.jsonl"}}))
+    with open(old / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 11, "reward_mean": 0.1, "mismatch/k3_kl": 0.25, "ratio_min": 1.0,
+                            "ratio_max": 1.0, "clip_frac": 0.0}) + "\n")
+    assert report.main([str(roll), str(old), "--png", str(tmp_path / "c.png"), "--strict"]) == 0
+    out = capsys.readouterr().out
+    assert "[info] rollout: reward last10% / first10% = 0.50" in out and "[FAIL]" not in out, out
+    assert "[PASS] rollout: rollout anchor: clip fraction > 0" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("rollout", "old"))}
+    assert rows["old"][-2] == "2.50e-01" and rows["rollout"][-2] == "-", rows
