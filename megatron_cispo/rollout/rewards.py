@@ -2,7 +2,7 @@
 called as fn(record, completion, token_ids) (or fn(record, completion)) and returning a number.
 
     runner = RewardRunner("megatron_cispo.rollout.arith:exact_match", timeout_s=10.0)
-    result = runner.score(records, completions, token_ids)   # RewardResult: None where it failed
+    result = runner.score(records, completions, token_ids, budget_s=60)   # RewardResult: None where it failed
     runner.close()
 
 The function runs in a worker process (reward_worker.py, started once, restarted after a
@@ -12,7 +12,7 @@ the GIL, needs the main thread and would share the process's signal state with r
 so a timeout really stops waiting, and a crash or os._exit in the reward cannot end the run. The
 cost: records, completions and results are pickled over a pipe (tens of microseconds a sample), the
 module is imported twice (here, to check the spec, and in the worker), and each timeout restarts
-the worker (its import time, outside the per-sample timeout). Not thread-safe: one caller at a time.
+the worker (its import time, outside the per-sample timeout, inside the call's budget). Not thread-safe: one caller at a time.
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ import importlib
 import importlib.util
 import inspect
 import math
-import os
 import subprocess
 import sys
 import time
@@ -29,9 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .reward_worker import cause, recv, send
+from .child import cause, recv, send, start
 
 _MISSING = object()
+_WORKER = "megatron_cispo.rollout.reward_worker"
 START_TIMEOUT_S = 300.0  # the worker's import of the reward module (torch, sympy, ...) on a loaded machine
 
 
@@ -54,7 +54,7 @@ def load_reward(spec: str) -> Callable:
     if fn is _MISSING:
         raise ValueError(f"{where}: {target} has no attribute {name!r}")
     if not callable(fn):
-        raise ValueError(f"{where}: {name} is a {type(fn).__name__}, not callable")
+        raise ValueError(f"{where}: {name} has type {type(fn).__name__}, which is not callable")
     if _takes(fn, 3):
         return fn
     if _takes(fn, 2):
@@ -88,7 +88,7 @@ def _import(target: str):
 class RewardResult:
     rewards: list[float | None]  # None where the reward failed (masked out of the loss)
     errors: int                   # the function raised (or the worker died)
-    timeouts: int                 # the call ran past timeout_s and the worker was killed
+    timeouts: int                 # past timeout_s (the worker was killed) or past the call's budget_s
     non_numbers: int              # it returned something other than a finite number (bool counts: 1.0 / 0.0)
     first_failure: str | None     # one line: the function, the sample and the cause
 
@@ -106,16 +106,17 @@ class RewardRunner:
         self._proc: subprocess.Popen | None = None
         self._start()
 
-    def _start(self) -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2])] + env.get("PYTHONPATH", "").split(os.pathsep))
-        self._proc = subprocess.Popen(
-            [sys.executable, "-c", "from megatron_cispo.rollout.reward_worker import serve; serve()"], env=env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)  # no terminal Ctrl-C
-        send(self._proc.stdin, (self.spec, list(sys.path), os.getpid()))
+    def _start(self, end: float = math.inf) -> None:
+        """Start the worker and wait until it has loaded the spec: ValueError when it fails (or takes
+        START_TIMEOUT_S), TimeoutError (the worker killed) when time.monotonic() passes `end` first."""
+        self._proc = start(_WORKER, (self.spec, list(sys.path)))
+        limit = time.monotonic() + START_TIMEOUT_S
         try:
-            kind, detail = recv(self._proc.stdout.fileno(), time.monotonic() + START_TIMEOUT_S)
-        except (TimeoutError, EOFError):
+            kind, detail = recv(self._proc.stdout.fileno(), min(limit, end))
+        except (TimeoutError, EOFError) as e:
+            if isinstance(e, TimeoutError) and end < limit:
+                self._stop()
+                raise
             kind, detail = "error", f"the worker did not start within {START_TIMEOUT_S:.0f} s or exited"
         if kind != "ready":
             self.close()
@@ -126,36 +127,55 @@ class RewardRunner:
         self._proc.wait()
         self._proc = None
 
-    def score(self, records: list[dict], completions: list[str], token_ids: list[list[int]]) -> RewardResult:
+    def score(self, records: list[dict], completions: list[str], token_ids: list[list[int]], *,
+              budget_s: float | None = None) -> RewardResult:
+        """One reward per sample, each call limited to timeout_s and the whole call to budget_s seconds
+        (None: no limit; the trainer's other ranks wait in a collective meanwhile). Samples not reached
+        within the budget count as timeouts without calling the reward."""
         if not len(records) == len(completions) == len(token_ids):
             raise ValueError(f"score: {len(records)} records, {len(completions)} completions and "
                              f"{len(token_ids)} token lists; expected one of each per sample")
+        if budget_s is not None and not (isinstance(budget_s, (int, float)) and 0 <= budget_s < math.inf):
+            raise ValueError(f"score: budget_s={budget_s!r}: expected None or a finite number of seconds >= 0")
+        end = math.inf if budget_s is None else time.monotonic() + budget_s
+        spent = f"the step's reward budget of {budget_s:g} s was spent" if budget_s is not None else ""
         res = RewardResult(rewards=[], errors=0, timeouts=0, non_numbers=0, first_failure=None)
         for i, sample in enumerate(zip(records, completions, [list(map(int, t)) for t in token_ids])):
-            reward, kind, detail = None, "error", ""
-            try:
-                if self._proc is None:
-                    self._start()
-                send(self._proc.stdin, sample)
-                kind, detail = recv(self._proc.stdout.fileno(), time.monotonic() + self.timeout_s)
-            except TimeoutError:
-                kind, detail = "timeout", f"timed out after {self.timeout_s:g} s"
-                self._stop()
-            except (EOFError, BrokenPipeError, ValueError) as e:
-                code = self._proc.wait() if self._proc is not None else None
-                detail = f"the reward worker exited (code {code})" if code is not None else str(e)
-                self._proc = None
-            if kind == "ok":
-                reward = detail
+            if time.monotonic() >= end:
+                kind, detail = "timeout", f"not scored: {spent}"
             else:
-                res.errors += kind == "error"
-                res.timeouts += kind == "timeout"
-                res.non_numbers += kind == "non_number"
-                if res.first_failure is None:
-                    res.first_failure = (f"reward {self.spec} on sample {i} "
-                                         f"(record {repr(sample[0])[:80]}): {detail}")
-            res.rewards.append(reward)
+                kind, detail = self._one(sample, end, spent)
+            if kind == "ok":
+                res.rewards.append(detail)
+                continue
+            res.rewards.append(None)
+            res.errors += kind == "error"
+            res.timeouts += kind == "timeout"
+            res.non_numbers += kind == "non_number"
+            if res.first_failure is None:
+                res.first_failure = f"reward {self.spec} on sample {i} (record {repr(sample[0])[:80]}): {detail}"
         return res
+
+    def _one(self, sample, end: float, spent: str) -> tuple[str, object]:
+        """The worker's (kind, value) for one sample, waiting until its timeout or `end`, whichever
+        comes first; (re)starts the worker first when needed."""
+        t0, by_budget = time.monotonic(), True  # a start times out only at `end`
+        try:
+            if self._proc is None:
+                self._start(end)
+            deadline = time.monotonic() + self.timeout_s
+            by_budget = end < deadline
+            send(self._proc.stdin, sample)
+            return recv(self._proc.stdout.fileno(), min(deadline, end))
+        except TimeoutError:
+            if self._proc is not None:
+                self._stop()
+            return "timeout", (f"stopped after {time.monotonic() - t0:.1f} s: {spent}" if by_budget else
+                               f"timed out after {self.timeout_s:g} s")
+        except (EOFError, BrokenPipeError, ValueError) as e:
+            code = self._proc.wait() if self._proc is not None else None
+            self._proc = None
+            return "error", f"the reward worker exited (code {code})" if code is not None else str(e)
 
     def close(self) -> None:
         """End the worker (it also ends when this process does: PR_SET_PDEATHSIG)."""

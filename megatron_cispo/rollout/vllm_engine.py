@@ -15,14 +15,13 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
-from .reward_worker import recv, send
+from .child import recv, send, start
 
 PRECISIONS = {"fp32": "float32", "bf16": "bfloat16"}
 CALL_TIMEOUT_S = 3600.0  # generous: a hung child must end as an error, never hang the trainer
@@ -34,7 +33,7 @@ _TORCHRUN_ENV = re.compile(r"^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP
 _CHILD_DEFAULTS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
                    "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_LOGGING_LEVEL": "WARNING",
                    "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1"}
-_WORKER = "from megatron_cispo.rollout.vllm_worker import serve; serve()"
+_WORKER = "megatron_cispo.rollout.vllm_worker"
 
 
 class EngineError(RuntimeError):
@@ -113,24 +112,20 @@ class VLLMEngine:
         self.max_model_len, self.kept_sets, self.call_timeout_s = max_model_len, kept_sets, call_timeout_s
         self.last_generate_seconds = 0.0
         self.proc: subprocess.Popen | None = None
+        self._own_log, self._failed = log_path is None, False  # a temp log of a clean run is removed on close
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix="vllm_engine_", suffix=".log")
             os.close(fd)
         self.log_path = Path(log_path)
         env = {k: v for k, v in os.environ.items() if not _TORCHRUN_ENV.match(k)}
-        env = {**_CHILD_DEFAULTS, **env}
-        root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         cfg = {"model_dir": str(Path(model_dir).resolve()), "dtype": PRECISIONS[precision],
                "max_model_len": max_model_len, "seed": seed, "kept_sets": kept_sets,
                "engine_kwargs": dict(engine_kwargs or {})}
         t0 = time.perf_counter()
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-c", _WORKER], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
+        with open(self.log_path, "ab") as log:  # appended to: a resumed run keeps the earlier engines' lines
+            self.proc = start(_WORKER, cfg, env={**_CHILD_DEFAULTS, **env}, stderr=log)
         self._finalizer = weakref.finalize(self, _kill, self.proc)  # on garbage collection and at exit
         atexit.register(self._finalizer)
-        send(self.proc.stdin, (cfg, os.getpid()))
         self._call(None, None, f"starting vLLM on {model_dir}", start_timeout_s,
                    f"check that {model_dir} is an HF model directory vLLM supports")
         self.start_seconds = time.perf_counter() - t0
@@ -169,8 +164,11 @@ class VLLMEngine:
         return [[Completion(*c) for c in samples] for samples in out]
 
     def close(self) -> None:
-        """Stop the child (idempotent): ask it to exit, then kill its session after a short wait."""
+        """Stop the child (idempotent): ask it to exit, then kill its session after a short wait. The
+        temp log (no log_path given) is removed unless an EngineError named it."""
         self._stop(polite=True)
+        if self._own_log and not self._failed:
+            self.log_path.unlink(missing_ok=True)
 
     def _stop(self, polite: bool) -> None:
         proc, self.proc = self.proc, None
@@ -225,5 +223,6 @@ class VLLMEngine:
             if kind == "ok":
                 return value
             msg = f"vLLM engine: {what} failed: {value}; {fix} (log: {self.log_path})"
+        self._failed = True
         self._stop(polite=False)
         raise EngineError(msg)

@@ -1,6 +1,6 @@
 """The child side of vllm_engine.VLLMEngine: the only module that imports vLLM. It builds vLLM's offline
 engine in this process (in-process mode, its own single-process group) and answers requests on the
-pipe of reward_worker (8-byte length + pickle): ("load", dir), ("generate", kwargs), ("close", None);
+pipe of child.py (8-byte length + pickle): ("load", dir), ("generate", kwargs), ("close", None);
 each reply is ("ok", value) or ("error", one line).
 
     python -c "from megatron_cispo.rollout.vllm_worker import serve; serve()"   # started by VLLMEngine
@@ -8,12 +8,10 @@ each reply is ("ok", value) or ("error", one line).
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 from pathlib import Path
 
-from .reward_worker import cause, recv, send
+from .child import attach, cause, recv, send
 
 
 def _check_cpu_head_dim(model_dir: str) -> None:
@@ -132,18 +130,10 @@ def _generate(llm, vocab: int, *, prompts, n, max_new_tokens, temperature, top_k
 
 def serve() -> None:
     """The worker: build the engine, then answer requests until "close" or stdin closes."""
-    import ctypes
-
-    reply = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # vLLM's prints go to the log (fd 2); fd 1's old pipe carries only the replies
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the trainer, which closes us
-    cfg, parent = recv(0, None)
-    try:  # die with the trainer, even when it is killed; and if it already died, do not start
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent:
+    attached = attach()  # vLLM's prints go to the log; Ctrl-C reaches the trainer, which closes us
+    if attached is None:
         return
+    reply, cfg = attached
     t0 = time.perf_counter()
     try:
         llm = _build(cfg)

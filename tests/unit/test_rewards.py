@@ -19,6 +19,9 @@ def by_kind(record, completion, token_ids):
         raise KeyError("no such\\nkey")
     if kind == "sleep":
         time.sleep(10)
+    if kind == "sleep1":
+        time.sleep(1)
+        return 1.0
     if kind == "exit":
         os._exit(3)
     print("a reward that prints does not disturb the pipe")
@@ -46,8 +49,8 @@ def rewards_py(tmp_path):
     return path
 
 
-def _score(runner, kinds):
-    return runner.score([{"kind": k} for k in kinds], ["x"] * len(kinds), [[1, 2, 3]] * len(kinds))
+def _score(runner, kinds, **kw):
+    return runner.score([{"kind": k} for k in kinds], ["x"] * len(kinds), [[1, 2, 3]] * len(kinds), **kw)
 
 
 def test_a_file_spec_scores_numbers_bools_and_numpy_scalars(rewards_py):
@@ -110,14 +113,42 @@ def test_a_timeout_stops_waiting_on_a_reward_that_sleeps_10_s(rewards_py):
         os.kill(pid, 0)  # the stuck worker is gone, not left running
 
 
+def test_the_call_stops_when_its_budget_is_spent_and_counts_the_rest_as_timeouts(rewards_py):
+    """1 s a sample, 5 samples, a 2.5 s budget: 2 are scored, the third is stopped at 2.5 s and the
+    last two are not called (the trainer's other ranks wait in a collective meanwhile)."""
+    with RewardRunner(f"{rewards_py}:by_kind", timeout_s=10) as runner:
+        start = time.monotonic()
+        res = _score(runner, ["sleep1"] * 5, budget_s=2.5)
+        elapsed = time.monotonic() - start
+        assert _score(runner, ["len"], budget_s=2.5).rewards == [3.0]  # the stopped worker came back
+    assert 2.5 <= elapsed < 3.5, elapsed  # not the 5 s the samples would take
+    scored = [r for r in res.rewards if r is not None]
+    assert scored == [1.0] * len(scored) and 1 <= len(scored) <= 2
+    assert len(scored) + res.timeouts == 5 and res.errors == res.non_numbers == 0
+    assert res.rewards[:len(scored)] == scored  # in order: the scored ones first
+    i = len(scored)
+    assert res.first_failure.startswith(f"reward {rewards_py}:by_kind on sample {i} (record {{'kind': 'sleep1'}}): ")
+    assert res.first_failure.endswith("the step's reward budget of 2.5 s was spent")
+
+
+def test_a_budget_already_spent_scores_nothing_and_says_so(rewards_py):
+    with RewardRunner(f"{rewards_py}:by_kind", timeout_s=10) as runner:
+        res = _score(runner, ["len", "len"], budget_s=0)
+        with pytest.raises(ValueError, match=r"budget_s=-1: expected None or a finite number of seconds >= 0"):
+            _score(runner, ["len"], budget_s=-1)
+    assert res.rewards == [None, None] and res.timeouts == 2
+    assert res.first_failure.endswith("sample 0 (record {'kind': 'len'}): not scored: the step's reward budget "
+                                      "of 0 s was spent")
+
+
 @pytest.mark.parametrize("spec, expected", [
     ("nocolon", "data.reward='nocolon': expected 'package.module:function' or 'path/to/file.py:function'"),
     ("megatron_cispo.rollout.nope:f", "data.reward='megatron_cispo.rollout.nope:f': module not found "
                                       "(No module named 'megatron_cispo.rollout.nope'); is it installed or on PYTHONPATH?"),
     ("{dir}/missing.py:f", "data.reward='{dir}/missing.py:f': no such file {dir}/missing.py"),
     ("{dir}/my_rewards.py:nope", "data.reward='{dir}/my_rewards.py:nope': {dir}/my_rewards.py has no attribute 'nope'"),
-    ("{dir}/my_rewards.py:NOT_CALLABLE", "data.reward='{dir}/my_rewards.py:NOT_CALLABLE': NOT_CALLABLE is a int, "
-                                         "not callable"),
+    ("{dir}/my_rewards.py:NOT_CALLABLE", "data.reward='{dir}/my_rewards.py:NOT_CALLABLE': NOT_CALLABLE has type int, "
+                                         "which is not callable"),
     ("{dir}/my_rewards.py:four", "data.reward='{dir}/my_rewards.py:four': four(a, b, c, d) cannot be called as "
                                  "fn(record, completion, token_ids) or fn(record, completion)"),
     ("{dir}/broken.py:f", "data.reward='{dir}/broken.py:f': importing it raised ZeroDivisionError: division by zero"),

@@ -170,14 +170,40 @@ def test_an_moe_model_samples_but_refuses_a_weight_reload_on_cpu(tmp_path):
 
 
 # the pipe and process handling, with a stand-in worker instead of vLLM (no vLLM needed)
-FAKE = ("import os, sys, time; from megatron_cispo.rollout.reward_worker import recv, send; "
-        "out = os.fdopen(os.dup(1), 'wb'); recv(0, None); send(out, ('ok', 0.0)); op = recv(0, None); {}")
+FAKE = """import os, sys, time
+from megatron_cispo.rollout.child import attach, recv, send
+
+def serve():
+    out, cfg = attach()
+    print("fake worker started", file=sys.stderr, flush=True)
+    send(out, ("ok", 0.0))
+    op = recv(0, None)
+    if op[0] == "close":
+        return send(out, ("ok", None))
+    {}
+"""
 
 
 def _fake_engine(monkeypatch, tmp_path, behaviour, **kw):
-    monkeypatch.setattr(vllm_engine, "_WORKER", FAKE.format(behaviour))
+    (tmp_path / "fake_vllm_worker.py").write_text(FAKE.format(behaviour))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setattr(vllm_engine, "_WORKER", "fake_vllm_worker")
     monkeypatch.setattr(vllm_engine, "vllm_missing", lambda: None)
     return VLLMEngine(str(tmp_path), precision="fp32", max_model_len=64, seed=0, kept_sets=False, **kw)
+
+
+def test_a_given_log_is_appended_to_and_a_clean_runs_temp_log_is_removed(monkeypatch, tmp_path):
+    log = tmp_path / "vllm.log"
+    log.write_text("the first run's engine\n")  # a resumed run writes into the same run_dir
+    eng = _fake_engine(monkeypatch, tmp_path, "pass", log_path=str(log))
+    eng.close()
+    assert log.read_text() == "the first run's engine\nfake worker started\n"
+    eng = _fake_engine(monkeypatch, tmp_path, "pass")
+    temp = eng.log_path
+    assert temp.read_text() == "fake worker started\n"
+    eng.close()
+    eng.close()
+    assert not temp.exists()
 
 
 def test_a_child_dying_mid_call_is_one_line_quoting_its_error(monkeypatch, tmp_path):
@@ -188,6 +214,9 @@ def test_a_child_dying_mid_call_is_one_line_quoting_its_error(monkeypatch, tmp_p
     assert eng.proc is None
     with pytest.raises(EngineError, match="closed engine"):
         eng.load_weights(str(tmp_path))
+    eng.close()
+    assert "CPU out of memory" in eng.log_path.read_text()  # the temp log its message names is kept
+    eng.log_path.unlink()
 
 
 def test_a_hung_child_times_out_and_is_killed(monkeypatch, tmp_path):
