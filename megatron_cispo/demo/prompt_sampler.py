@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -42,9 +41,10 @@ class RolloutFailed(RuntimeError):
 def open_prompts(cfg) -> PromptStream:
     """data.prompts tokenized with model.hf_path's tokenizer; ValueError (one line) for a bad file or row."""
     d = cfg.data
+    limit, limit_name = prompt_limit(d, cfg.rollout, cfg.model)
     return PromptStream(d.prompts, tokenizer_path=cfg.model.hf_path, seed=cfg.run.seed, split=d.split,
-                        prompt_key=d.prompt_key, chat_template=d.chat_template,
-                        max_prompt_tokens=prompt_limit(d, cfg.rollout, cfg.model))
+                        prompt_key=d.prompt_key, chat_template=d.chat_template, max_prompt_tokens=limit,
+                        limit_name=limit_name)
 
 
 def check_sources(cfg) -> None:
@@ -55,7 +55,12 @@ def check_sources(cfg) -> None:
     from ..rollout.rewards import load_reward
     from ..rollout.vllm_engine import cpu_model_problem, vllm_missing
 
-    open_prompts(cfg)
+    stream = open_prompts(cfg)
+    longest = stream.max_len + cfg.rollout.max_new_tokens - 1  # tokens the trainer reads of the longest row
+    budget = cfg.parallelism.max_tokens_per_microbatch
+    if budget is not None and budget < longest:
+        raise ValueError(f"parallelism.max_tokens_per_microbatch={budget} is smaller than the longest row "
+                         f"({stream.max_len} prompt + {cfg.rollout.max_new_tokens} new tokens - 1); raise it")
     load_reward(cfg.data.reward)
     problem = vllm_missing() or cpu_model_problem(cfg.model.arch, cuda=torch.cuda.is_available())
     if problem:
@@ -100,6 +105,7 @@ def rows_to_batch(rows, rewards: list, *, group_size: int, version: int, info: d
     lengths = torch.tensor([len(p) + len(c.token_ids) for p, c in rows])
     ok = torch.tensor([x is not None for x in rewards])
     r = torch.tensor([x if x is not None else 0.0 for x in rewards], dtype=torch.float32)
+    info["reward/scored_frac"] = ok.float().mean().item()
     # group statistics over the scored samples only: a failed one (masked out) moves no other's advantage
     grouped, okg = r.view(-1, g), ok.view(-1, g).float()
     count = okg.sum(1, keepdim=True).clamp(min=1)
@@ -111,7 +117,8 @@ def rows_to_batch(rows, rewards: list, *, group_size: int, version: int, info: d
                  "rollout/new_tokens_mean": sum(len(c.token_ids) for _, c in rows) / n})
     keep = KeptSet.from_lists(kept) if kept is not None else None
     return Batch(tokens=tokens, lengths=lengths, loss_mask=mask, rollout_logprobs=logps.masked_fill(~mask, 0.0),
-                 rewards=r, advantages=advantages, correct=((r == 1) & ok)[:, None], version=version,
+                 rewards=r.masked_fill(~ok, torch.nan), advantages=advantages, correct=((r == 1) & ok)[:, None],
+                 version=version,
                  keep=keep, info=info)
 
 
@@ -121,15 +128,17 @@ class PromptSampler(Sampler):
         self.exp, self.rank = cfg, rank
         self.stream = open_prompts(cfg)
         self.eos = eos_ids(cfg.model.hf_path)
-        longest = self.stream.max_len + cfg.rollout.max_new_tokens - 1  # tokens the trainer reads per row
-        budget = cfg.parallelism.max_tokens_per_microbatch
-        if budget is not None and budget < longest:
-            raise ValueError(f"parallelism.max_tokens_per_microbatch={budget} is smaller than the longest row "
-                             f"({self.stream.max_len} prompt + {cfg.rollout.max_new_tokens} new tokens - 1); raise it")
         self.engine_: Optional[object] = None  # rank 0: the VLLMEngine
         self.loaded: Optional[int] = None      # the policy version the engine holds
         self.reward = None                     # rank 0: the RewardRunner
-        self._tmp = tempfile.mkdtemp(prefix="cispo_vllm_weights_") if rank == 0 else None
+        # Rank 0 samples while the other ranks wait in the batch's broadcast, which fails after
+        # run.dist_timeout_s: each engine call may take half of it, a step's rollout 90% in all.
+        self.limit_s = 0.9 * cfg.run.dist_timeout_s
+        self.log = Path(cfg.run.run_dir) / "vllm.log"    # the engine process's output (appended on a resume)
+        self._tmp = Path(cfg.run.run_dir) / "vllm_weights"  # the synced version vLLM reloads (rank 0)
+        if rank == 0:
+            shutil.rmtree(self._tmp, ignore_errors=True)  # a killed run's export
+            self._tmp.mkdir(parents=True)
 
     # -- rank 0 ---------------------------------------------------------------------------------------
     def _export(self, version: int) -> tuple[Path, int]:
@@ -151,7 +160,9 @@ class PromptSampler(Sampler):
         if self.engine_ is None:
             r = self.cfg
             self.engine_ = VLLMEngine(str(path), precision=r.precision, seed=self.seed,
-                                      max_model_len=self.model_cfg.seq_length, kept_sets=r.top_k > 0 or r.top_p < 1)
+                                      max_model_len=self.model_cfg.seq_length, kept_sets=r.top_k > 0 or r.top_p < 1,
+                                      start_timeout_s=self.limit_s / 2, call_timeout_s=self.limit_s / 2,
+                                      log_path=str(self.log))
             info["rollout/engine_start_s"] = self.engine_.start_seconds
         else:
             self.engine_.load_weights(str(path))
@@ -161,7 +172,7 @@ class PromptSampler(Sampler):
         self.loaded = version
         return info
 
-    def _scores(self, prompts, completions) -> tuple[list, dict]:
+    def _scores(self, prompts, completions, budget_s: float) -> tuple[list, dict]:
         from ..rollout.rewards import RewardRunner
 
         if self.reward is None:
@@ -170,7 +181,7 @@ class PromptSampler(Sampler):
         records = [p.record for p in prompts for _ in range(g)]
         ids = [c.token_ids for c in completions]
         t0 = time.perf_counter()
-        res = self.reward.score(records, [self.stream.decode(i) for i in ids], ids)
+        res = self.reward.score(records, [self.stream.decode(i) for i in ids], ids, budget_s=budget_s)
         if res.first_failure:
             say(f"[{self.exp.label}] reward: {res.errors} errors, {res.timeouts} timeouts, {res.non_numbers} "
                 f"non-numbers this step (those samples are left out of the loss); first: {res.first_failure}")
@@ -178,6 +189,7 @@ class PromptSampler(Sampler):
                              "reward/non_numbers": float(res.non_numbers), "reward/seconds": time.perf_counter() - t0}
 
     def _sample(self, step: int, prompts) -> Batch:
+        start = time.perf_counter()
         version = self._held_version(step)
         info = self._engine_at(version)
         r, g = self.cfg, self.cfg.group_size
@@ -187,13 +199,19 @@ class PromptSampler(Sampler):
                                     seeds=[_seed(self.seed, p.index, g) for p in prompts], stop_token_ids=self.eos)
         info["rollout/seconds"] = time.perf_counter() - t0
         completions = [c for per_prompt in out for c in per_prompt]
-        rewards, scored = self._scores(prompts, completions)
+        rewards, scored = self._scores(prompts, completions, max(1.0, self.limit_s - (time.perf_counter() - start)))
         info.update(scored)
         rows = [(prompts[i // g].token_ids, c) for i, c in enumerate(completions)]
         info["rollout/prompt_index_first"] = float(prompts[0].index)
         return rows_to_batch(rows, rewards, group_size=g, version=version, info=info)
 
     # -- every rank -----------------------------------------------------------------------------------
+    def sync(self, version: int, full_state) -> None:
+        """Rank 0 keeps the versions (it alone exports them, and the checkpoint holds its state); the
+        other ranks took part in the gather and keep nothing."""
+        if self.rank == 0:
+            super().sync(version, full_state)
+
     def rollouts(self, step: int) -> Batch:
         """Collective: the global batch of 0-based `step`, sampled on rank 0 and broadcast."""
         prompts = self.stream.take(self.cfg.prompts_per_step)  # every rank alike: the position is checkpointed
@@ -216,6 +234,8 @@ class PromptSampler(Sampler):
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
+        if self.rank != 0:
+            self.versions = {}  # every rank read rank 0's state; only rank 0 samples from it
         if "prompts" not in state:
             raise ValueError("the checkpoint's sampler has no prompt position (it ran the synthetic task); "
                              "resume it without data.prompts, or start a fresh run_dir")
@@ -227,5 +247,5 @@ class PromptSampler(Sampler):
             if part is not None:
                 part.close()
         self.engine_ = self.reward = None
-        if self._tmp is not None:
+        if self.rank == 0:
             shutil.rmtree(self._tmp, ignore_errors=True)

@@ -82,8 +82,8 @@ def summarize(run_dir: str | Path) -> dict:
         "mismatch_k3": _mean(_col(recs, "mismatch/k3_kl")),
         "elapsed_s": _col(recs[-1:], "elapsed_s")[0] if recs else float("nan"),
         "skipped_nonfinite": sum(_finite(_col(recs, "step/skipped_nonfinite", 0.0))),
-        "clip_range": loss_cfg.cispo.bounds() if cispo else None,
-        "prompts": (cfg.get("data") or {}).get("prompts"),  # the prompt file, None for the synthetic task  # (floor, cap) of the CISPO weight
+        "clip_range": loss_cfg.cispo.bounds() if cispo else None,  # (floor, cap) of the CISPO weight
+        "prompts": (cfg.get("data") or {}).get("prompts"),  # the prompt file, None for the synthetic task
     }
 
 

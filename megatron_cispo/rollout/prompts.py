@@ -85,7 +85,9 @@ class PromptStream:
     tokens are computed at construction, so a bad row is refused before the first step."""
 
     def __init__(self, path: str, *, tokenizer_path: str, seed: int, split: str = "train", prompt_key: str = "prompt",
-                 chat_template: bool = False, max_prompt_tokens: int | None = None):
+                 chat_template: bool = False, max_prompt_tokens: int | None = None,
+                 limit_name: str = "data.max_prompt_tokens"):
+        """limit_name: where max_prompt_tokens comes from, for the message of a prompt over it."""
         from transformers import AutoTokenizer
 
         self.path, self.seed = Path(path).absolute(), seed
@@ -117,7 +119,7 @@ class PromptStream:
                                  f"remove the row or give it text")
             if max_prompt_tokens is not None and len(x) > max_prompt_tokens:
                 raise ValueError(f"{where}: row {i}: the prompt is {len(x)} tokens, more than "
-                                 f"data.max_prompt_tokens={max_prompt_tokens}; shorten it or raise the limit")
+                                 f"{limit_name}={max_prompt_tokens}; shorten it or raise the limit")
         self._rows = rows
         self._position = 0
         self._order: tuple[int, list[int]] = (-1, [])  # (epoch, its permutation), the one last used

@@ -78,6 +78,10 @@ def check_data_rollout(data: DataConfig, rollout, model) -> None:
                          f"{rollout.max_new_tokens} exceeds model.seq_length={model.seq_length}; lower either")
 
 
-def prompt_limit(data: DataConfig, rollout, model) -> int:
-    """The longest prompt a run accepts: data.max_prompt_tokens, else what the sequence length leaves."""
-    return data.max_prompt_tokens or model.seq_length - rollout.max_new_tokens
+def prompt_limit(data: DataConfig, rollout, model) -> tuple[int, str]:
+    """The longest prompt a run accepts and where that comes from: data.max_prompt_tokens, else what the
+    sequence length leaves."""
+    if data.max_prompt_tokens is not None:
+        return data.max_prompt_tokens, "data.max_prompt_tokens"
+    return model.seq_length - rollout.max_new_tokens, (f"model.seq_length - rollout.max_new_tokens = "
+                                                       f"{model.seq_length} - {rollout.max_new_tokens}")

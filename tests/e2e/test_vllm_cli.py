@@ -6,15 +6,19 @@ With fp32, rollout.staleness=0 and the rollout anchor, the CISPO ratio pi_theta 
 sampler/trainer mismatch itself, so every step's ratio within 1e-4 of 1 shows that each sync reached
 the engine and its prefix cache was reset (a stale engine or cache gives ratios far from 1). With
 staleness 1 it is not. With top_p the trainer scores over vLLM's kept sets (sampling-mask replay).
-A run stopped at a checkpoint and resumed continues the prompt stream exactly, and its engine
-starts on the checkpoint's weights (the ratio stays within 1e-4 of 1 after the resume).
+A run killed (SIGKILL) and resumed continues the prompt stream from its checkpoint exactly, its vLLM
+process dies with it, and the new engine starts on the checkpoint's weights (the ratio stays within
+1e-4 of 1 after the resume).
 """
 import importlib.util
 import os
+import time
+from pathlib import Path
 
 import pytest
 
-from e2e_helpers import ROOT, metrics, torchrun
+from e2e_helpers import ROOT, Job, metrics, torchrun
+from megatron_cispo.runner import checkpoint
 
 YAML = str(ROOT / "yaml_configs" / "vllm_qwen2_tiny.yaml")
 if importlib.util.find_spec("vllm") is None:
@@ -56,18 +60,44 @@ def _off_one(r) -> float:
     return max(abs(r["cispo/ratio_min"] - 1), abs(r["cispo/ratio_max"] - 1))
 
 
-def test_staleness_0_fp32_ratio_is_1_every_step_and_a_resume_continues_the_prompts(model, tmp_path):
+def _engine_children(pid: int) -> list[int]:
+    """The vLLM worker processes that process `pid` started."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (stat.parent / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and b"vllm_worker" in cmd:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_staleness_0_fp32_ratio_is_1_every_step_and_a_killed_run_resumes_the_prompt_stream(model, tmp_path):
     run_dir = tmp_path / "run"
-    first = _run(model, run_dir, "run.checkpoint_interval=2", steps=2)
-    recs = _run(model, run_dir, "run.checkpoint_interval=2", "run.resume=true", steps=4)
-    assert [r["step"] for r in recs] == [1, 2, 3, 4]
-    assert [r["step"] for r in first] == [1, 2]
+    reward = f"data.reward={model.parent / 'spread.py'}:spread"
+    job = Job(tmp_path, 2, [YAML, f"model.hf_path={model}", f"run.run_dir={run_dir}", "run.steps=100000", reward,
+                            *FAST, "run.checkpoint_interval=2"])
+    try:
+        job.wait_for_steps(run_dir, 3, timeout=300)
+        engines = _engine_children(job.workers()[0])
+        assert len(engines) == 1, engines
+    finally:
+        job.kill()  # SIGKILL: no checkpoint at exit, the last one is from a step divisible by 2
+    deadline = time.monotonic() + 30  # the engine process dies with the trainer that started it
+    while Path(f"/proc/{engines[0]}").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not Path(f"/proc/{engines[0]}").exists(), "the vLLM child outlived the killed trainer"
+    saved = int(checkpoint.last_complete(run_dir).name.split("_")[-1])
+    recs = _run(model, run_dir, "run.checkpoint_interval=2", "run.resume=true", steps=saved + 2)
+    assert [r["step"] for r in recs] == list(range(1, saved + 3))
     for r in recs:
         assert _off_one(r) <= 1e-4, (r["step"], r["cispo/ratio_min"], r["cispo/ratio_max"])
         assert r["policy_version_lag"] == 0 and r["sync/bytes"] > 0 and r["rollout/seconds"] > 0
-    # 4 prompts a step: the stream positions run on across the resume, none twice, none skipped
-    assert [r["rollout/prompt_index_first"] for r in recs] == [0, 4, 8, 12]
-    assert "rollout/engine_start_s" in recs[0] and "rollout/engine_start_s" in recs[2]  # the resumed engine
+    # 4 prompts a step: the stream runs on across the kill and resume, none twice, none skipped
+    assert [r["rollout/prompt_index_first"] for r in recs] == [4 * i for i in range(saved + 2)]
+    assert "rollout/engine_start_s" in recs[saved]  # the resumed run's engine, on the checkpoint's weights
 
 
 def test_staleness_1_moves_the_ratio_off_1(model, tmp_path):
@@ -77,7 +107,7 @@ def test_staleness_1_moves_the_ratio_off_1(model, tmp_path):
     assert min(_off_one(r) for r in recs[1:]) > 1e-3, [_off_one(r) for r in recs]
 
 
-def test_top_p_replays_the_kept_sets_ratio_still_1(model, tmp_path):
-    recs = _run(model, tmp_path / "run", "rollout.top_p=0.9", "rollout.top_k=6", steps=2)
+def test_top_p_0_9_replays_vllms_kept_sets_ratio_still_1(model, tmp_path):
+    recs = _run(model, tmp_path / "run", "rollout.top_p=0.9", steps=2)
     for r in recs:
         assert _off_one(r) <= 1e-4, (r["step"], r["cispo/ratio_min"], r["cispo/ratio_max"])

@@ -93,8 +93,11 @@ def test_rows_become_right_padded_rows_with_the_completion_in_the_loss():
 def test_a_failed_reward_leaves_its_sample_out_and_moves_no_other_advantage():
     comps = [_c([1, 13], [-1.0, -1.0]) for _ in range(4)]
     rows = [([10, 11], c) for c in comps]
-    b = rows_to_batch(rows, [1.0, None, 0.0, 0.0], group_size=4, version=0, info={})
+    info = {}
+    b = rows_to_batch(rows, [1.0, None, 0.0, 0.0], group_size=4, version=0, info=info)
     assert not b.loss_mask[1].any() and b.loss_mask[[0, 2, 3]].any(1).all()
+    assert b.rewards[1].isnan() and b.rewards[[0, 2, 3]].tolist() == [1.0, 0.0, 0.0]  # reward_mean: scored only
+    assert info["reward/scored_frac"] == 0.75
     assert b.advantages[1] == 0
     ok = group_advantages(torch.tensor([1.0, 0.0, 0.0]), 3)
     assert torch.allclose(b.advantages[[0, 2, 3]], ok)
