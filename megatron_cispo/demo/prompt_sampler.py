@@ -32,6 +32,7 @@ from ..runner.data import prompt_limit
 from ..runner.weights import canonical_names
 from .metrics import say
 from .sampler import PAD, Batch, Sampler
+from .task import group_advantages
 
 
 class RolloutFailed(RuntimeError):
@@ -106,12 +107,7 @@ def rows_to_batch(rows, rewards: list, *, group_size: int, version: int, info: d
     ok = torch.tensor([x is not None for x in rewards])
     r = torch.tensor([x if x is not None else 0.0 for x in rewards], dtype=torch.float32)
     info["reward/scored_frac"] = ok.float().mean().item()
-    # group statistics over the scored samples only: a failed one (masked out) moves no other's advantage
-    grouped, okg = r.view(-1, g), ok.view(-1, g).float()
-    count = okg.sum(1, keepdim=True).clamp(min=1)
-    mean = (grouped * okg).sum(1, keepdim=True) / count
-    std = (((grouped - mean) ** 2 * okg).sum(1, keepdim=True) / count).sqrt()
-    advantages = ((grouped - mean) / (std + 1e-6) * okg).reshape(-1)
+    advantages = group_advantages(r, g, scored=ok)  # a failed sample moves no other's advantage
     truncated = [c.finish_reason == "length" for _, c in rows]
     info.update({"rollout/truncated_frac": sum(truncated) / n,
                  "rollout/new_tokens_mean": sum(len(c.token_ids) for _, c in rows) / n})

@@ -116,11 +116,19 @@ class Task:
         return (t >= self.prompt_len + 1) & (t < lengths[:, None] - 1)
 
 
-def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
+def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6, scored: Tensor | None = None) -> Tensor:
     """[n] or [n, k] rewards of consecutive groups of rows -> (r - group mean) / (group std + eps).
 
-    Statistics are per column (per answer position for [n, k]); uniform groups get 0.
+    Statistics are per column (per answer position for [n, k]); uniform groups get 0. scored ([n] bool,
+    optional): only those rows count in their group's mean and std, and the others get 0 (a prompt-file
+    reward that failed: left out of the loss, it moves no other row's advantage).
     """
     r = rewards.float().reshape(-1, group_size, *rewards.shape[1:])
-    adv = (r - r.mean(1, keepdim=True)) / (r.std(1, unbiased=False, keepdim=True) + eps)
-    return adv.reshape(rewards.shape)
+    if scored is None:
+        adv = (r - r.mean(1, keepdim=True)) / (r.std(1, unbiased=False, keepdim=True) + eps)
+        return adv.reshape(rewards.shape)
+    w = scored.float().reshape(-1, group_size, *[1] * (r.dim() - 2)).expand_as(r)
+    count = w.sum(1, keepdim=True).clamp(min=1)
+    mean = (r * w).sum(1, keepdim=True) / count
+    std = (((r - mean) ** 2 * w).sum(1, keepdim=True) / count).sqrt()
+    return ((r - mean) / (std + eps) * w).reshape(rewards.shape)
