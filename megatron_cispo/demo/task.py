@@ -25,7 +25,7 @@ def keyed_generator(*key: object) -> torch.Generator:
 class Task:
     """Token ids: digits 0..base-1, then BOS, SEP, PLUS (for `add`) and EOS (for `dedup`)."""
 
-    def __init__(self, cfg):  # cfg: runner.experiment.RolloutConfig, which also holds the geometry
+    def __init__(self, cfg):  # cfg: runner.data.RolloutConfig, which also holds the geometry
         self.cfg = cfg
         self.base = cfg.base
         self.bos, self.sep, self.plus, self.eos = self.base, self.base + 1, self.base + 2, self.base + 3

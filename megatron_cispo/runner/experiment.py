@@ -22,7 +22,7 @@ import yaml
 from ..config import ConfigError, LossConfig, apply_overrides, check_field_types, config_field, from_dict, \
     parse_override_value, to_dict
 from ..losses import check_loss_config, get_policy_loss
-from .data import DataConfig, check_data_rollout
+from .data import DataConfig, RolloutConfig, check_data_rollout
 from .model import ModelConfig, hf_shape
 
 
@@ -97,85 +97,6 @@ class OptimizerConfig:
         frac = (step - self.warmup_steps) / max(1, total - self.warmup_steps)
         decay = 0.5 * (1.0 + math.cos(math.pi * frac)) if self.schedule == "cosine" else 1.0 - frac
         return self.min_lr + (self.lr - self.min_lr) * decay
-
-
-@dataclass(frozen=True, kw_only=True)
-class RolloutConfig:
-    task: Literal["copy", "reverse", "sort", "add", "dedup"] = config_field(
-        "reverse", "Synthetic task: answer = the digits copied, reversed, sorted, or a+b (LSB first); "
-        "dedup: the distinct digits in increasing order, then EOS (variable length).")
-    digits: int = config_field(4, "Digits per prompt operand.")
-    base: int = config_field(10, "Digit alphabet size; the task uses base + 4 token ids.")
-    reward: Literal["per_position", "exact_match"] = config_field(
-        "per_position", "Fraction of answer positions right, or 1 only when all are.")
-    credit: Literal["sequence", "token"] = config_field(
-        "sequence", "Advantage per sample from its reward, or per answer token from that position's "
-        "correctness (token needs reward=per_position); both normalised within the group.")
-    prompts_per_step: int = config_field(16, "Prompts per step (global, over all DP ranks).")
-    group_size: int = config_field(4, "Samples per prompt; advantages are normalised within a group.")
-    staleness: int = config_field(2, "Policy versions the sampler lags: step t samples with version max(0, t-k).")
-    temperature: float = config_field(1.0, "Sampler temperature (the trainer scores with the same).")
-    precision: Literal["fp32", "bf16"] = config_field("bf16", "Sampler weights/compute dtype.")
-    engine: Literal["torch", "hf", "vllm"] = config_field(
-        "torch", "The sampler: torch = our plain-PyTorch copy of the synthetic GPT (model.hf_path unset); "
-        "hf = transformers' own model of model.hf_path's family, on the trainer's weights synced every step "
-        "through the export mapping (hf/mapping.py). Task symbols are token ids 0..base+3 of the HF vocabulary. "
-        "vllm = vLLM's offline engine in its own process (rank 0 starts it), on the same synced weights, "
-        "sampling data.prompts (needs the [vllm] extra, model.hf_path and data.prompts).")
-    max_new_tokens: int = config_field(
-        16, "With data.prompts: the most tokens a sample may take; EOS ends it earlier. A sample that reaches "
-        "it is truncated (rollout/truncated_frac).")
-    top_k: int = config_field(
-        0, "Sampler top-k after temperature: keep the k most likely tokens (ties kept), 0 = off. With top_k "
-        "or top_p on, the sampler returns its kept sets and every trainer pass scores over them "
-        "(sampling-mask replay); its logprobs are renormalised over the kept set, as vLLM's processed_logprobs.")
-    top_p: float = config_field(
-        1.0, "Sampler top-p (nucleus) after top-k: keep the most likely tokens until their probability "
-        "reaches top_p (the top token always kept), in (0, 1]; 1 = off.")
-
-    def __post_init__(self) -> None:
-        check_field_types(self)
-        for name, low in (("digits", 1), ("base", 2), ("prompts_per_step", 1), ("group_size", 2), ("staleness", 0),
-                          ("top_k", 0), ("max_new_tokens", 1)):
-            if getattr(self, name) < low:
-                raise ValueError(f"rollout.{name} must be >= {low}, got {getattr(self, name)}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"rollout.top_p must be in (0, 1] (1 = off), got {self.top_p}")
-        if not 0 < self.temperature < math.inf:
-            raise ValueError(f"rollout.temperature must be finite and > 0, got {self.temperature}")
-        if self.credit == "token" and self.reward != "per_position":
-            raise ValueError(f"rollout.credit='token' needs rollout.reward='per_position', got {self.reward!r}")
-        if self.credit == "token" and self.variable_length:
-            raise ValueError(f"rollout.credit='token' needs a fixed-length task, got task={self.task!r}")
-
-    @property
-    def batch_size(self) -> int:
-        return self.prompts_per_step * self.group_size
-
-    # Sequence geometry of the task, [BOS] prompt [SEP] answer; the demo's Task reads it from here.
-    @property
-    def variable_length(self) -> bool:
-        """Answers end at an EOS token, so sequences differ in length."""
-        return self.task == "dedup"
-
-    @property
-    def prompt_len(self) -> int:
-        return 2 * self.digits + 1 if self.task == "add" else self.digits
-
-    @property
-    def answer_len(self) -> int:
-        """Answer tokens (the most a variable-length answer may take, EOS included)."""
-        return self.digits + 1 if self.task in ("add", "dedup") else self.digits
-
-    @property
-    def total_len(self) -> int:
-        """Tokens per sequence; the model reads total_len - 1 of them."""
-        return self.prompt_len + self.answer_len + 2
-
-    @property
-    def vocab_size(self) -> int:
-        """Digits 0..base-1, then BOS, SEP, PLUS and EOS."""
-        return self.base + 4
 
 
 @dataclass(frozen=True, kw_only=True)
