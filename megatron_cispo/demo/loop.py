@@ -102,8 +102,8 @@ def run(cfg: ExperimentConfig) -> None:
             check_weights(cfg.model.arch)  # the safetensors headers: every tensor present, with its shape
         except ValueError as e:
             raise ConfigError(f"model.hf_path: {e}") from None
-    try:
-        check_sources(cfg)  # rollout.engine=vllm: vLLM installed, data.prompts readable, data.reward importable
+    try:  # rollout.engine=vllm: vLLM installed, data.prompts readable (kept for the sampler), data.reward importable
+        prompts = check_sources(cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     from ..runner import distributed
@@ -120,7 +120,7 @@ def run(cfg: ExperimentConfig) -> None:
         # Before anything is written: one job per run_dir, and a fresh run never mixes with an old one.
         owned = rundir.claim_for_job(cfg.run.run_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite,
                                      has_checkpoint=lambda d: checkpoint.last_complete(d) is not None)
-        trainer = _set_up(cfg, env)
+        trainer = _set_up(cfg, env, prompts)
         start, last = _resume(trainer)
         if env.rank == 0:
             trainer.writer = _open_log(trainer, start, last, owned.moved_to)
@@ -153,7 +153,7 @@ def _init_distributed(cfg: ExperimentConfig):
         raise ConfigError(f"parallelism: {e}") from e
 
 
-def _set_up(cfg: ExperimentConfig, env) -> _Trainer:
+def _set_up(cfg: ExperimentConfig, env, prompts=None) -> _Trainer:
     """Build this rank's model chunks (seeded by run.seed, the same on every layout), optimizer and sampler."""
     from megatron.core import parallel_state as mpu
 
@@ -167,13 +167,10 @@ def _set_up(cfg: ExperimentConfig, env) -> _Trainer:
     optimizer = build_optimizer(chunks, lr=o.lr, optimizer=o.name, weight_decay=o.weight_decay,
                                 clip_grad=o.clip_grad, adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2,
                                 bf16=cfg.model.dtype == "bf16")
-    if cfg.data.prompts is None:
+    if prompts is None:
         sampler = Sampler(cfg.model, cfg.rollout, seed=cfg.run.seed, device=env.device)
-    else:
-        try:
-            sampler = PromptSampler(cfg, rank=env.rank, device=env.device)
-        except ValueError as e:  # the rows do not fit the microbatch budget: the same on every rank
-            raise ConfigError(str(e)) from None
+    else:  # data.prompts, as run() read and checked it
+        sampler = PromptSampler(cfg, rank=env.rank, device=env.device, stream=prompts)
     step_cfg = StepConfig(micro_batch_size=p.micro_batch_size, temperature=cfg.rollout.temperature,
                           max_tokens_per_microbatch=p.max_tokens_per_microbatch)
     return _Trainer(cfg=cfg, env=env, chunks=chunks, optimizer=optimizer, sampler=sampler, step_cfg=step_cfg,

@@ -48,11 +48,12 @@ def open_prompts(cfg) -> PromptStream:
                         limit_name=limit_name)
 
 
-def check_sources(cfg) -> None:
+def check_sources(cfg) -> Optional[PromptStream]:
     """ValueError (one line) for what data.prompts, data.reward and rollout.engine=vllm need and lack:
-    vLLM not installed, the prompt file, its rows, the reward's import. Before any rank starts."""
+    vLLM not installed, the prompt file, its rows, the reward's import. Before any rank starts.
+    Returns the prompt stream it read (None without data.prompts), for the sampler to keep."""
     if cfg.rollout.engine != "vllm":
-        return
+        return None
     from ..rollout.rewards import load_reward
     from ..rollout.vllm_engine import cpu_model_problem, vllm_missing
 
@@ -66,6 +67,7 @@ def check_sources(cfg) -> None:
     problem = vllm_missing() or cpu_model_problem(cfg.model.arch, cuda=torch.cuda.is_available())
     if problem:
         raise ValueError(problem)
+    return stream
 
 
 def eos_ids(model_dir: str) -> list[int]:
@@ -119,10 +121,11 @@ def rows_to_batch(rows, rewards: list, *, group_size: int, version: int, info: d
 
 
 class PromptSampler(Sampler):
-    def __init__(self, cfg, *, rank: int, device: torch.device | str = "cpu"):
+    def __init__(self, cfg, *, rank: int, device: torch.device | str = "cpu", stream: Optional[PromptStream] = None):
+        """stream: data.prompts as check_sources read it (read here when None)."""
         super().__init__(cfg.model, cfg.rollout, seed=cfg.run.seed, device=device)
         self.exp, self.rank = cfg, rank
-        self.stream = open_prompts(cfg)
+        self.stream = stream if stream is not None else open_prompts(cfg)
         self.eos = eos_ids(cfg.model.hf_path)
         self.engine_: Optional[object] = None  # rank 0: the VLLMEngine
         self.loaded: Optional[int] = None      # the policy version the engine holds
