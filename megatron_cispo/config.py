@@ -190,11 +190,14 @@ class LossConfig:
     loss_agg: LossAgg = config_field("token_mean", "How per-token losses become one global scalar.")
     max_len: Optional[int] = config_field(None, "Divisor for seq_mean_token_sum_norm (required there).")
     entropy_coef: float = config_field(0.0, "Entropy bonus: adds -entropy_coef * entropy per token.")
-    head: Literal["logits", "fused"] = config_field(
+    head: Literal["logits", "fused", "fused_grad"] = config_field(
         "logits", "Output head: 'logits' scores the model's logits; 'fused' runs the output layer and the "
-        "logprobs chunk by chunk (fused_token_logprobs), so the [tokens, vocab/tp] logits never exist.")
+        "logprobs chunk by chunk (fused_token_logprobs), so the [tokens, vocab/tp] logits never exist; "
+        "'fused_grad' is 'fused' that also computes the loss's gradient in the forward (three GEMMs, no "
+        "recompute; losses whose gradient needs a whole sequence first fall back to 'fused', counted in "
+        "head/fused_grad_fallback; docs/algorithm.md).")
     head_fp32: bool = config_field(
-        False, "Fused head only: run its matmul in fp32 from bf16 parameters (ScaleRL's fp32 LM head).")
+        False, "Fused heads only: run its matmul in fp32 from bf16 parameters (ScaleRL's fp32 LM head).")
     cispo: CispoConfig = config_field(factory=CispoConfig, doc="CISPO loss settings.")
     ppo: PPOConfig = config_field(factory=PPOConfig, doc="PPO clipped-surrogate settings.")
     rollout_is: RolloutISConfig = config_field(factory=RolloutISConfig, doc="rollout_is loss settings.")
@@ -208,6 +211,7 @@ class LossConfig:
         _require(bool(self.policy_loss), self, "policy_loss", "a registered loss name")
         _require(self.max_len is None or self.max_len > 0, self, "max_len", "None or > 0")
         _require(math.isfinite(self.entropy_coef), self, "entropy_coef", "finite")
-        _require(not self.head_fp32 or self.head == "fused", self, "head_fp32", "False unless head='fused'")
+        _require(not self.head_fp32 or self.head != "logits", self, "head_fp32",
+                 "False unless head='fused' or 'fused_grad'")
         if self.loss_agg == "seq_mean_token_sum_norm" and self.max_len is None:
             raise ValueError("LossConfig.max_len must be > 0 when loss_agg='seq_mean_token_sum_norm', got None")

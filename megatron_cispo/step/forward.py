@@ -13,6 +13,7 @@ and divides the gradient once, leaving sum(weight * loss) / the global denominat
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from functools import partial
 from typing import Optional
 
@@ -21,10 +22,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..config import LossConfig
-from ..losses import compute_policy_loss, per_token_policy_loss
+from ..losses.token_grad import chunk_coef_fn, fused_grad_fallback, microbatch_loss
 from ..vocab_softmax import resolve_group
 from .hooks import check_megatron_config
-from .head import forward_with_head, head_logprobs, unwrap
+from .head import forward_with_head, head_fused_grad, head_logprobs, unwrap
 from .microbatch import Microbatch, as_microbatch
 from .moe import no_aux_loss_without_tokens
 from .packing import microbatches as build_microbatches
@@ -78,6 +79,17 @@ def _segment_sum(seq_index: Tensor, n_seqs: int, cp_group):
     return seq_sum
 
 
+def _say_once(message: str) -> None:
+    """A warning from one process of the last stage (TP, DP and CP rank 0), not once per rank."""
+    from megatron.core import parallel_state as mpu
+
+    first = (not dist.is_initialized() or not mpu.model_parallel_is_initialized()
+             or (mpu.get_tensor_model_parallel_rank() == 0
+                 and mpu.get_data_parallel_rank(with_context_parallel=True) == 0))
+    if first:
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
 def _cp_group(cp_group):
     """The explicit CP group, else megatron's; None when it has one rank."""
     return resolve_group(cp_group, "get_context_parallel_group")[0]
@@ -97,32 +109,60 @@ def make_loss_func(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_size
     the summed num_tokens leaves sum(weight * loss) / the global denominator. Without them, the
     microbatch is normalised on its own: (loss_sum, its denominator, Metrics).
     old_from_current: pi_old = this forward's detached logprobs (one optimizer step per batch).
+    loss.head=fused_grad: the head computes the gradient in its forward (losses.token_grad's
+    coefficients), the value and metrics come from its logprobs through the same code, and the
+    loss returned is value.detach() + z; where losses.token_grad.fused_grad_fallback names a
+    reason, the microbatch runs the fused head (head/fused_grad_fallback = 1, logged once).
     Needs calculate_per_token_loss=True. Collectives: token_logprobs' two TP all-reduces, and one
     CP all-reduce per sequence-level quantity (sequence TIS) when cp > 1.
     """
     want_entropy = entropy or loss_cfg.entropy_coef != 0
+    fused_grad = loss_cfg.head == "fused_grad"
+    logged: list = []
 
     def loss_func(mb: Microbatch, output: Tensor):
         mb = as_microbatch(mb)
-        out = head_logprobs(mb, output, temperature=temperature, vocab_size=vocab_size, entropy=want_entropy,
-                            head_fp32=loss_cfg.head_fp32)
-        lp, ent = out if want_entropy else (out, None)
-        old = lp.detach() if old_from_current else mb.old_logprobs
-        given = dict(advantages=mb.advantages, loss_mask=mb.loss_mask, old_logprobs=old,
-                     rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs, entropy=ent,
-                     keep=mb.token_keep)  # M2PO's selection (step.m2po), made before the step
-        if mb.agg_weight is None:
-            res = compute_policy_loss(loss_cfg, lp, **given)
-            return res.loss_sum, res.denominator.round().to(torch.int), res.metrics
-        if mb.seq_index is None or mb.n_seqs is None:
+        if mb.agg_weight is not None and (mb.seq_index is None or mb.n_seqs is None):
             raise ValueError(f"a microbatch with agg_weight needs seq_index and n_seqs (sequence sums), got "
                              f"seq_index={'None' if mb.seq_index is None else 'a tensor'}, n_seqs={mb.n_seqs}; "
                              "build it with step.packing.microbatches, or leave out the normalisation fields")
-        seq_sum = _segment_sum(mb.seq_index, mb.n_seqs, _cp_group(cp_group))
-        per_token, valid, m = per_token_policy_loss(loss_cfg, lp, seq_sum=seq_sum, **given)
-        loss_sum = (per_token * mb.agg_weight).sum()
-        m.sums["policy/loss"] = (loss_sum.detach(), (mb.agg_share * valid).sum())
-        return loss_sum * mb.loss_scale, mb.num_tokens, m
+        group = _cp_group(cp_group) if mb.agg_weight is not None else None
+
+        def loss_of(lp, ent, seq_sum):
+            given = dict(advantages=mb.advantages, loss_mask=mb.loss_mask,
+                         old_logprobs=lp.detach() if old_from_current else mb.old_logprobs,
+                         rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs, entropy=ent,
+                         keep=mb.token_keep)  # M2PO's selection (step.m2po), made before the step
+            return microbatch_loss(loss_cfg, lp, given=given, seq_sum=seq_sum, agg_weight=mb.agg_weight,
+                                   agg_share=mb.agg_share, loss_scale=mb.loss_scale)
+
+        seq_sum = None if mb.agg_weight is None else _segment_sum(mb.seq_index, mb.n_seqs, group)
+        z, fell_back = None, None
+        if fused_grad and mb.fused is not None:
+            fell_back = fused_grad_fallback(loss_cfg, old_from_current, kept_set=mb.kept_set is not None,
+                                            cp_size=1 if group is None else dist.get_world_size(group))
+        if fused_grad and mb.fused is not None and fell_back is None:
+            local = None if seq_sum is None else _segment_sum(mb.seq_index, mb.n_seqs, None)  # no collective
+            coef_fn = chunk_coef_fn(lambda lp, ent: loss_of(lp, ent, local)[0], tuple(mb.targets.shape),
+                                    device=mb.targets.device, entropy=want_entropy,
+                                    entropy_grad=loss_cfg.entropy_coef != 0)
+            lp, ent, z = head_fused_grad(mb, output, coef_fn, temperature=temperature, vocab_size=vocab_size,
+                                         entropy=want_entropy, head_fp32=loss_cfg.head_fp32)
+        else:
+            out = head_logprobs(mb, output, temperature=temperature, vocab_size=vocab_size, entropy=want_entropy,
+                                head_fp32=loss_cfg.head_fp32)
+            lp, ent = out if want_entropy else (out, None)
+        loss, denominator, m = loss_of(lp, ent, seq_sum)
+        if fused_grad:
+            m.sums["head/fused_grad_fallback"] = (torch.ones((), device=lp.device) * (fell_back is not None),
+                                                  torch.ones((), device=lp.device))
+            if fell_back is not None and not logged:
+                logged.append(fell_back)
+                _say_once(f"loss.head=fused_grad falls back to 'fused': {fell_back}")
+        if z is not None:
+            loss = loss.detach() + z  # the value of the ordinary loss, the gradient of the op
+        num_tokens = mb.num_tokens if denominator is None else denominator.round().to(torch.int)
+        return loss, num_tokens, m
 
     return loss_func
 

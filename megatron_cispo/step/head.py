@@ -1,5 +1,6 @@
 """The output head: score a microbatch from the model's logits, or fuse the output layer into the
-logprobs so that the [tokens, vocab/tp] logits never exist (loss.head = "logits" | "fused").
+logprobs so that the [tokens, vocab/tp] logits never exist (loss.head = "logits" | "fused"), or also
+the loss's gradient in the same pass ("fused_grad": head_fused_grad, fused_grad.py).
 The fused head takes GPTModel.forward's output_processor (megatron-core 0.18+) and patches the
 output layer's forward only where GPTModel lacks it.
 
@@ -79,6 +80,9 @@ def hidden_states_out(layer, captured: dict):
         del layer.forward
 
 
+FUSED_HEADS = ("fused", "fused_grad")  # the heads that bypass the output layer
+
+
 @dataclass(frozen=True)
 class FusedHead:
     """The output layer a fused-head forward bypassed: its weight [v_local, h] (its own or the tied
@@ -90,10 +94,10 @@ class FusedHead:
 
 def forward_with_head(model, head: str, *args, **kwargs) -> tuple[Tensor, Optional[FusedHead]]:
     """model(*args, **kwargs) and the head decision, made once for the step and the Megatron-LM
-    drop-in: head="fused" on the last stage bypasses the output layer, so the model returns the
+    drop-in: head="fused" or "fused_grad" on the last stage bypasses the output layer, so the model returns the
     hidden states [b, s(/tp), h] and the FusedHead to score them with; otherwise (None) the
     output is the model's own (logits [b, s, v/tp] on the last stage)."""
-    layer = output_layer_of(model) if head == "fused" else None
+    layer = output_layer_of(model) if head in FUSED_HEADS else None
     if layer is None:
         return model(*args, **kwargs), None
     captured: dict = {}
@@ -103,6 +107,11 @@ def forward_with_head(model, head: str, *args, **kwargs) -> tuple[Tensor, Option
         with hidden_states_out(layer, captured):
             output = model(*args, **kwargs)
     return output, (FusedHead(captured["weight"], captured["sequence_parallel"]) if captured else None)
+
+
+def _head_dtype(output: Tensor, fused: FusedHead, head_fp32: bool):
+    """fp32 when asked (head_fp32) or when the hidden states' dtype is not the weight's, else None."""
+    return torch.float32 if head_fp32 or output.dtype != fused.weight.dtype else None
 
 
 def score_output(output: Tensor, fused: Optional[FusedHead], targets: Tensor, *, temperature: float,
@@ -119,12 +128,11 @@ def score_output(output: Tensor, fused: Optional[FusedHead], targets: Tensor, *,
         b, s = targets.shape
         if keep is not None and b > 1:  # the fused head's positions run [s, b]
             keep = keep.take(torch.arange(b * s, device=targets.device).view(b, s).t())
-        upcast = head_fp32 or output.dtype != fused.weight.dtype
         out = fused_token_logprobs(
             output.transpose(0, 1), fused.weight, targets.t(), tp_group=tp_group,
             sequence_parallel=fused.sequence_parallel, temperature=temperature, return_entropy=entropy,
             vocab_size=vocab_size, mask=None if mask is None else mask.t(),
-            head_dtype=torch.float32 if upcast else None, keep=keep)
+            head_dtype=_head_dtype(output, fused, head_fp32), keep=keep)
         return tuple(t.t() for t in out) if entropy else out.t()
     # The logits are dead once the loss is formed (nothing here or in the schedule reads them
     # again), so their buffer takes the gradient: at b=1 no second [s, v/tp] shard is allocated.
@@ -139,3 +147,18 @@ def head_logprobs(mb, output: Tensor, *, temperature: float, vocab_size: Optiona
     return score_output(output, mb.fused, mb.targets, temperature=temperature, vocab_size=vocab_size,
                         entropy=entropy, mask=mb.loss_mask != 0,  # Megatron's loss masks are often float
                         head_fp32=head_fp32, keep=mb.kept_set)
+
+
+def head_fused_grad(mb, output: Tensor, coef_fn, *, temperature: float, vocab_size: Optional[int], entropy: bool,
+                    head_fp32: bool = False):
+    """loss.head=fused_grad on a Microbatch scored by a fused head (mb.fused): fused_grad_logprobs
+    with coef_fn (losses.token_grad.chunk_coef_fn) over the hidden states [b, s(/tp), h]. Returns
+    (lp [b, s] fp32, ent [b, s] fp32 or None, both without graph; z, 0-d with value 0, whose
+    backward puts the loss's gradient into the hidden states and the output weight)."""
+    from ..fused_grad import fused_grad_logprobs
+
+    lp, ent, z = fused_grad_logprobs(
+        output.transpose(0, 1), mb.fused.weight, mb.targets.t(), coef_fn,
+        sequence_parallel=mb.fused.sequence_parallel, temperature=temperature, return_entropy=entropy,
+        vocab_size=vocab_size, mask=(mb.loss_mask != 0).t(), head_dtype=_head_dtype(output, mb.fused, head_fp32))
+    return lp.t(), (None if ent is None else ent.t()), z

@@ -1,0 +1,103 @@
+"""The policy loss's per-token gradient, chunk by chunk, for loss.head=fused_grad (fused_grad.py).
+
+    reason = fused_grad_fallback(cfg, old_from_current, cp_size=cp)   # None: per-chunk is exact
+    coef_fn = chunk_coef_fn(lambda lp, ent: microbatch_loss(cfg, lp, ...)[0], (b, s), device=dev)
+    lp, ent, z = fused_grad_logprobs(hidden, weight, targets, coef_fn, ...)
+
+coef_fn keeps a [b, s] buffer of the logprobs (and entropies) filled so far and, for each chunk
+of rows, differentiates the ordinary loss on a leaf copy of it: exact for every loss whose
+gradient at a token reads only that token's values and given inputs (fused_grad_fallback says
+which are not). Pure tensor code; the seq_sum handed to the loss must not run collectives.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from ..config import LossConfig
+from .aggregate import aggregate
+from .common import SeqSum, row_sum
+from .compute import compute_policy_loss, per_token_policy_loss
+from .metrics import Metrics
+from .registry import check_loss_config
+
+# The built-in losses, read in losses/cispo.py, ppo.py, rollout_is.py: each token's loss reads only
+# that token's logprob and given inputs. A plugin may form sequence quantities, so it falls back.
+SEPARABLE_LOSSES = frozenset({"cispo", "ppo", "rollout_is"})
+
+# coef_fn(r0, r1, lp_rows [r1-r0] fp32, ent_rows or None) -> (g_lp [r1-r0], g_ent or None)
+CoefFn = Callable[[int, int, Tensor, Optional[Tensor]], tuple[Tensor, Optional[Tensor]]]
+
+
+def fused_grad_fallback(cfg: LossConfig, old_from_current: bool, *, cp_size: int = 1,
+                        kept_set: bool = False) -> Optional[str]:
+    """Why this loss's gradient cannot be formed chunk by chunk (so loss.head=fused_grad falls back
+    to 'fused' for it), or None when it can. Sequence quantities of *given* inputs (pi_old,
+    pi_rollout) are exact per chunk when each rank holds whole sequences (cp_size 1); those of the
+    current policy never are. kept_set: the microbatch replays sampling masks (the op takes none).
+    """
+    spec = check_loss_config(cfg)
+    c = cfg.correction
+    if kept_set:
+        return "the microbatch has kept sets (sampling-mask replay), which fused_grad_logprobs does not take"
+    if cfg.policy_loss not in SEPARABLE_LOSSES:
+        return f"policy_loss={cfg.policy_loss!r} is a plugin: its loss may read whole sequences"
+    if c.opsm is not None:
+        return f"correction.opsm={c.opsm!r} reads the current policy's sequence mean of log(pi_ref / pi_theta)"
+    if c.geo_rs is not None and spec.anchor_for(cfg) == "rollout":
+        return (f"correction.geo_rs={list(c.geo_rs)!r} under the rollout anchor reads the current policy's "
+                "sequence mean of log(pi_theta / pi_rollout)")
+    for key, on in (("tis.level='sequence'", cfg.tis.level == "sequence"),
+                    (f"correction.geo_rs={c.geo_rs and list(c.geo_rs)!r}", c.geo_rs is not None)):
+        if on and old_from_current:
+            return f"{key} with pi_old from the training forward reads the current policy's sequence total"
+        if on and cp_size > 1:
+            return f"{key} under context parallelism needs a CP all-reduce of sequence totals per chunk"
+    return None
+
+
+def microbatch_loss(cfg: LossConfig, lp: Tensor, *, given: dict, seq_sum: SeqSum = row_sum,
+                    agg_weight: Optional[Tensor] = None, agg_share: Optional[Tensor] = None,
+                    loss_scale=1.0) -> tuple[Tensor, Optional[Tensor], Metrics]:
+    """The policy step's loss of one microbatch. lp: [b, s] fp32; given: per_token_policy_loss's
+    keyword inputs (advantages, loss_mask, old/rollout/ref_logprobs, entropy, keep).
+    With agg_weight [b, s]: (loss_scale * sum(agg_weight * per_token), None, Metrics with
+    policy/loss over agg_share). Without: compute_policy_loss's (loss_sum, denominator, Metrics)."""
+    if agg_weight is None:
+        res = compute_policy_loss(cfg, lp, **given)
+        return res.loss_sum, res.denominator, res.metrics
+    per_token, valid, m = per_token_policy_loss(cfg, lp, seq_sum=seq_sum, **given)
+    loss_sum = (per_token * agg_weight).sum()
+    m.sums["policy/loss"] = (loss_sum.detach(), (agg_share * valid).sum())
+    return loss_sum * loss_scale, None, m
+
+
+def chunk_coef_fn(loss_of: Callable[[Tensor, Optional[Tensor]], Tensor], shape: tuple[int, int], *,
+                  device, entropy: bool = False, entropy_grad: bool = False) -> CoefFn:
+    """coef_fn for fused_grad_logprobs over a microbatch of `shape` (b, s).
+
+    loss_of(lp [b, s], ent [b, s] or None) -> the scalar whose gradient the head computes; it must
+    run no collectives. Rows are the op's s-major positions (row = s_idx * b + b_idx). Each call
+    writes its rows into the buffers, differentiates loss_of on leaf copies and returns the rows'
+    dL/dlp (and dL/dent when entropy_grad, else None). Exact when fused_grad_fallback is None.
+    """
+    b, s = shape
+    lp_buf = torch.zeros(b, s, dtype=torch.float32, device=device)
+    ent_buf = torch.zeros_like(lp_buf) if entropy else None
+
+    def coef_fn(r0: int, r1: int, lp_rows: Tensor, ent_rows: Optional[Tensor]):
+        rows = torch.arange(r0, r1, device=device)
+        si, bi = rows // b, rows % b  # [s, b] rows -> [b, s] positions
+        lp_buf[bi, si] = lp_rows.detach().float()
+        if ent_buf is not None:
+            ent_buf[bi, si] = ent_rows.detach().float()
+        with torch.enable_grad():  # the op may call us inside its autograd.Function.forward
+            lp = lp_buf.clone().requires_grad_(True)
+            ent = None if ent_buf is None else ent_buf.clone().requires_grad_(entropy_grad)
+            wrt = [lp, ent] if entropy_grad else [lp]
+            grads = torch.autograd.grad(loss_of(lp, ent), wrt, allow_unused=True)
+        picked = [torch.zeros(r1 - r0, device=device) if g is None else g[bi, si] for g in grads]
+        return picked[0], (picked[1] if entropy_grad else None)
+    return coef_fn

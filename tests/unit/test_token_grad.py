@@ -1,0 +1,166 @@
+"""losses/token_grad.py: the per-chunk coefficients of loss.head=fused_grad equal torch.autograd.grad
+of the whole loss for every separable config, and each config fused_grad_fallback names really
+needs the fallback (the generic per-chunk coefficient is wrong for it) or says why it falls back.
+"""
+import pytest
+import torch
+
+from megatron_cispo.config import LossConfig, from_dict
+from megatron_cispo.losses import register_policy_loss, token_weights
+from megatron_cispo.losses.token_grad import chunk_coef_fn, fused_grad_fallback, microbatch_loss
+from megatron_cispo.step.forward import _segment_sum
+
+B, S = 3, 7
+
+
+def cfg_of(**d):
+    return from_dict(LossConfig, d, path="loss")
+
+
+def inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lp = -torch.rand(B, S, generator=g, dtype=torch.float64).float() * 3 - 0.05
+    noise = lambda: 0.4 * torch.randn(B, S, generator=g)  # noqa: E731
+    mask = torch.rand(B, S, generator=g) > 0.2
+    mask[:, 0] = True
+    return lp, torch.rand(B, S, generator=g) * 2, dict(
+        advantages=torch.randn(B, generator=g), loss_mask=mask, old_logprobs=lp + noise(),
+        rollout_logprobs=lp + noise(), ref_logprobs=lp + noise(), keep=torch.rand(B, S, generator=g) > 0.3)
+
+
+def loss_of_for(cfg, given, *, agg=None, seq_sum=None, old_from_current=False):
+    """The scalar the step differentiates: agg=None is compute_policy_loss's loss_sum, agg='weights'
+    the policy step's (per_token * agg_weight).sum() * loss_scale over a segment sum."""
+    given = {k: v for k, v in given.items() if k != "keep" or cfg.correction.m2po is not None}
+    extra = {}
+    if agg == "weights":
+        weight, share, _ = token_weights(given["loss_mask"], cfg.loss_agg, cfg.max_len)
+        extra = dict(agg_weight=weight, agg_share=share, loss_scale=0.37, seq_sum=seq_sum)
+
+    def loss_of(lp, ent):
+        g = dict(given, entropy=ent)
+        if old_from_current:
+            g["old_logprobs"] = lp.detach()
+        return microbatch_loss(cfg, lp, given=g, **extra)[0]
+    return loss_of
+
+
+def full_grad(loss_of, lp, ent, entropy_grad):
+    lp, ent = lp.clone().requires_grad_(True), ent.clone().requires_grad_(entropy_grad)
+    wrt = [lp, ent] if entropy_grad else [lp]
+    grads = torch.autograd.grad(loss_of(lp, ent), wrt, allow_unused=True)
+    return [torch.zeros(B, S) if g is None else g for g in grads]
+
+
+def chunked_grad(loss_of, lp, ent, entropy_grad, rows=4):
+    """coef_fn over increasing row ranges of the op's s-major [s * b] positions, reassembled [b, s]."""
+    fn = chunk_coef_fn(loss_of, (B, S), device=lp.device, entropy=True, entropy_grad=entropy_grad)
+    lp_rows, ent_rows = lp.t().reshape(-1), ent.t().reshape(-1)
+    out = [torch.zeros(S * B), torch.zeros(S * B)]
+    for r0 in range(0, S * B, rows):
+        r1 = min(r0 + rows, S * B)
+        with torch.no_grad():  # as inside an autograd.Function's forward
+            g_lp, g_ent = fn(r0, r1, lp_rows[r0:r1], ent_rows[r0:r1])
+        out[0][r0:r1] = g_lp
+        assert (g_ent is None) == (not entropy_grad)
+        if g_ent is not None:
+            out[1][r0:r1] = g_ent
+    return [o.view(S, B).t() for o in out][: 2 if entropy_grad else 1]
+
+
+SEPARABLE = {
+    "cispo_old": dict(cispo={"anchor": "old", "token_mask": True}),
+    "cispo_rollout": dict(cispo={"anchor": "rollout"}),
+    "ppo": dict(policy_loss="ppo"),
+    "ppo_dual_clip": dict(policy_loss="ppo", ppo={"dual_clip": 3.0}),
+    "rollout_is": dict(policy_loss="rollout_is"),
+    "kl_k1": dict(kl={"coef": 0.1, "estimator": "k1"}),
+    "kl_k2": dict(kl={"coef": 0.1, "estimator": "k2"}),
+    "kl_k3": dict(kl={"coef": 0.1, "estimator": "k3"}),
+    "kl_k3_is_weight": dict(kl={"coef": 0.1, "estimator": "k3", "is_weight": True}),
+    "entropy_bonus": dict(entropy_coef=0.05),
+    "ppo_kl_entropy": dict(policy_loss="ppo", kl={"coef": 0.2, "estimator": "k2"}, entropy_coef=-0.03),
+    "seq_mean_token_mean": dict(loss_agg="seq_mean_token_mean"),
+    "seq_mean_token_sum": dict(loss_agg="seq_mean_token_sum"),
+    "seq_mean_token_sum_norm": dict(loss_agg="seq_mean_token_sum_norm", max_len=9),
+    "tis_token": dict(tis={"level": "token"}),
+    "mis_old": dict(correction={"mis": [0.7, 1.3]}),
+    "mis_rollout": dict(cispo={"anchor": "rollout"}, correction={"mis": [0.7, 1.3]}),
+    "m2po_keep": dict(correction={"m2po": 0.1}),
+    # sequence quantities of given inputs only: exact per chunk while a rank holds whole sequences
+    "tis_sequence_given_old": dict(tis={"level": "sequence", "cap": 1.5}),
+    "geo_rs_old_given_old": dict(correction={"geo_rs": [0.8, 1.2]}),
+}
+
+
+@pytest.mark.parametrize("agg", [None, "weights"])
+@pytest.mark.parametrize("name", sorted(SEPARABLE))
+def test_chunk_coefficients_equal_autograd_of_the_whole_loss(name, agg):
+    cfg = cfg_of(**SEPARABLE[name])
+    assert fused_grad_fallback(cfg, False) is None
+    lp, ent, given = inputs()
+    seq = torch.arange(B)[:, None].expand(B, S)  # one sequence per row, through the step's segment sum
+    loss_of = loss_of_for(cfg, given, agg=agg, seq_sum=_segment_sum(seq, B, None))
+    eg = cfg.entropy_coef != 0
+    want, got = full_grad(loss_of, lp, ent, eg), chunked_grad(loss_of, lp, ent, eg)
+    assert want[0].abs().max() > 0
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["tis_token", "mis_old", "cispo_old"])
+def test_old_from_current_token_level_is_exact(name):
+    cfg = cfg_of(**SEPARABLE[name])
+    assert fused_grad_fallback(cfg, True) is None
+    lp, ent, given = inputs(1)
+    loss_of = loss_of_for(cfg, given, old_from_current=True)
+    torch.testing.assert_close(chunked_grad(loss_of, lp, ent, False)[0], full_grad(loss_of, lp, ent, False)[0],
+                               rtol=0, atol=1e-6)
+
+
+def _wrong_per_chunk(cfg, given, lp, old_from_current=False):
+    loss_of = loss_of_for(cfg, given, old_from_current=old_from_current)
+    return (chunked_grad(loss_of, lp, lp, False)[0] - full_grad(loss_of, lp, lp, False)[0]).abs().max()
+
+
+def test_fallbacks_that_read_the_current_policys_sequence_are_wrong_per_chunk():
+    lp, _, given = inputs(2)
+    given["advantages"] = -given["advantages"].abs()  # OPSM drops negative sequences only
+    given["rollout_logprobs"] = lp + 0.3  # full mean log(pi_ref / pi) = 0.3 > delta; the buffer's zeros say < 0
+    cases = {
+        "opsm": (cfg_of(correction={"opsm": 0.1}), False),
+        "opsm_old_ref": (cfg_of(correction={"opsm": 0.1, "opsm_ref": "old"}), False),
+        "geo_rs_rollout": (cfg_of(cispo={"anchor": "rollout"}, correction={"geo_rs": [0.5, 1.5]}), False),
+        "tis_sequence_old_from_current": (cfg_of(tis={"level": "sequence", "cap": 10.0}), True),
+        "geo_rs_old_from_current": (cfg_of(correction={"geo_rs": [0.5, 1.5]}), True),
+    }
+    given["old_logprobs"] = lp + 0.3
+    for name, (cfg, ofc) in cases.items():
+        reason = fused_grad_fallback(cfg, ofc)
+        assert reason is not None and "current policy" in reason, name
+        assert _wrong_per_chunk(cfg, given, lp, ofc) > 1e-3, name
+
+
+def test_sequence_totals_under_cp_are_wrong_per_chunk():
+    """One CP rank holds half of every sequence: its per-chunk coefficients, without the CP
+    all-reduce, differ from the whole loss's gradient on its half."""
+    lp, _, given = inputs(3)
+    half = S // 2 + 1
+    for cfg in (cfg_of(tis={"level": "sequence", "cap": 10.0}), cfg_of(correction={"geo_rs": [0.9, 1.1]})):
+        assert fused_grad_fallback(cfg, False) is None
+        assert "context parallelism" in fused_grad_fallback(cfg, False, cp_size=2)
+        want = full_grad(loss_of_for(cfg, given), lp, lp, False)[0][:, :half]
+        mine = {k: (v if v.dim() < 2 else v[:, :half]) for k, v in given.items()}
+        local = loss_of_for(cfg, mine)
+        fn = chunk_coef_fn(local, (B, half), device=lp.device)
+        got = fn(0, B * half, lp[:, :half].t().reshape(-1), None)[0].view(half, B).t()
+        assert (got - want).abs().max() > 1e-3
+
+
+def test_plugins_and_kept_sets_fall_back_with_their_reason():
+    try:
+        register_policy_loss("token_grad_test_plugin", anchor="old")(lambda cfg, x: (x.logprobs * 0, None))
+    except ValueError:  # registered by an earlier run in this process
+        pass
+    assert "plugin" in fused_grad_fallback(cfg_of(policy_loss="token_grad_test_plugin"), False)
+    assert "kept sets" in fused_grad_fallback(cfg_of(), False, kept_set=True)
