@@ -72,8 +72,10 @@ def worker(layout: dict, packed: bool, cases=tuple(CASES), moe: bool = False, ta
         shard = full.dp_shard(dp_rank=dp_rank, dp=dp, minibatches=N // step_kw.get("minibatch_size", N))
         # a sampler a little behind the trainer: the rollout anchor sees ratios around 1
         stale = compute_logprobs(chunks, shard, step_cfg) + shard.rollout_logprobs
+        # a case with a KL penalty gets a reference a little further from the trainer than the sampler
+        ref = stale - 0.5 * shard.rollout_logprobs if "kl" in loss_over else None
         batch = Rollouts(tokens=shard.tokens, loss_mask=shard.loss_mask, advantages=shard.advantages,
-                         lengths=shard.lengths, rollout_logprobs=stale)
+                         lengths=shard.lengths, rollout_logprobs=stale, ref_logprobs=ref)
         metrics = policy_step(chunks, opt, batch, from_dict(LossConfig, loss_over), step_cfg)
         out[name] = {"metrics": metrics, "state": gather_full_state(chunks)}
     return out
