@@ -23,6 +23,7 @@ PKG = Path(__file__).resolve().parents[2] / "megatron_cispo"
 # order inside the library: a part imports only parts of a lower order (or itself), so no two parts
 # can import each other; parts of one order are independent of each other
 ORDER = {"schema": 0, "vocab_softmax": 0, "mcore": 0, "presets": 1, "kept_set": 1, "config": 2, "logprobs": 2, "fused_head": 2,
+         "fused_grad": 3,
          "losses": 3, "step": 4, "integrations": 5, "__init__": 6}
 LIBRARY = set(ORDER)
 # floor of each top-level part; a module may import only from its own floor or below

@@ -1,0 +1,207 @@
+"""The output layer fused with token log-probabilities AND the policy loss's gradient, all in the
+forward pass: no logits, and no recompute in backward.
+
+    lp, ent, z = fused_grad_logprobs(hidden, output_weight, targets, coef_fn, sequence_parallel=sp)
+    (loss_value.detach() + z).backward()   # z is 0.0; its backward hands over the stored gradients
+
+Same lp/ent as fused_token_logprobs. For a loss that is a sum of per-token terms f(lp_i, ent_i),
+d loss / d logits of a chunk of rows needs only that chunk's lp and ent, so each chunk runs: one
+GEMM into the fp32 workspace, vocab_softmax's chunk statistics and their TP reduction, lp/ent,
+coef_fn (the caller's d loss / d lp and d loss / d ent of those rows), d loss / d logits
+(vocab_softmax.chunk_grad), then gh[rows] = g @ W and gw += g^T @ h. Three GEMMs of N x h x v_local
+against fused_token_logprobs's four; the chunk is then dropped.
+Collectives over the TP group (none for one process), the same number and order on every rank:
+one all-gather of hidden under sequence parallelism; per chunk one MAX and one packed SUM
+all-reduce of [rows] fp32 stats; at the end one all-reduce of the [N, h] hidden gradient (a
+reduce-scatter to this rank's [N/tp, h] under sequence parallelism). Backward: none.
+Host syncs: one (plan_targets validates the targets), none per chunk (coef_fn's own aside).
+Memory: one fp32 workspace of (2 + entropy) x chunk_rows x v_local (bf16: 1 + entropy, plus the
+chunk's bf16 logits), gh [N, h] in the compute dtype (summed over TP, then kept in hidden's dtype)
+and gw [v_local, h] (weight's dtype; accumulated in fp32, so a bf16 weight also needs an fp32
+[v_local, h] accumulator during forward), both held from forward to backward.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .fused_head import _MIN_DEFAULT_CHUNK_ROWS, _chunk_logits, _gather_sequence, _Head, _sum_hidden_grad
+from .vocab_softmax import (CHUNK_BYTES, DTYPES, IGNORE_INDEX, Plan, check_devices, chunk_grad, chunk_stats,
+                            empty_stats, grad_rows, plan_targets, reduce_stats, resolve_group, row_chunks,
+                            workspace)
+
+# coef_fn(r0, r1, lp_rows, ent_rows) -> (d loss / d lp, d loss / d ent or None) of rows r0:r1
+CoefFn = Callable[[int, int, Tensor, "Tensor | None"], "tuple[Tensor, Tensor | None]"]
+
+
+class _StoredGrad(torch.autograd.Function):
+    """z = 0.0 whose backward returns the gradients stored in forward, times z's incoming scalar
+    gradient (megatron's loss scale, or 1). AccumulateGrad then adds the weight's part to
+    weight.grad, where megatron DDP's per-parameter hook moves it to main_grad and starts the
+    overlapped reduce, as for any parameter."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, gh: Tensor | None, gw: Tensor | None):
+        ctx.set_materialize_grads(False)
+        ctx.grads = (gh, gw)
+        return hidden.new_zeros((), dtype=torch.float32)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g: Tensor | None):
+        grads, ctx.grads = ctx.grads, None  # handed over once: autograd may keep them as .grad
+        if grads is None:
+            raise RuntimeError("fused_grad_logprobs: backward ran twice through one call's z; its stored "
+                               "gradients are handed over once (call fused_grad_logprobs again)")
+        if g is None:
+            return None, None, None, None
+        # scaled in place: a second [v_local, h] buffer would cost as much as the weight gradient
+        gh, gw = (None if t is None else t.mul_(g.to(t.dtype)) for t in grads)
+        return gh, gw, None, None
+
+
+def _check_args(hidden, weight, targets, mask, tp, sp, head_dtype) -> None:
+    """The argument checks of fused_token_logprobs (fused_head.py), which keeps them inline."""
+    for name, tensor, dim in (("hidden", hidden, 3), ("weight", weight, 2)):
+        if tensor.dtype not in DTYPES or tensor.dim() != dim:
+            raise ValueError(f"{name}: expected a {dim}-d fp32/bf16/fp16 tensor, found {tensor.dtype} "
+                             f"of shape {tuple(tensor.shape)}")
+    check_devices({"hidden": hidden, "targets": targets, "mask": mask})
+    if weight.shape[1] != hidden.shape[-1] or weight.device != hidden.device:
+        raise ValueError(f"weight: expected [v_local, {hidden.shape[-1]}] on {hidden.device} (hidden's "
+                         f"h and device), found {tuple(weight.shape)} on {weight.device}")
+    if head_dtype is not None and head_dtype not in DTYPES:
+        raise ValueError(f"head_dtype: expected None, torch.float32, torch.bfloat16 or torch.float16, "
+                         f"found {head_dtype!r}")
+    if head_dtype is None and hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden and weight: expected one dtype, found {hidden.dtype} and "
+                         f"{weight.dtype}; pass head_dtype= to run the head in one of them")
+    seq = hidden.shape[0] * (tp if sp else 1)
+    if (targets.shape != (seq, hidden.shape[1]) or targets.dtype.is_floating_point
+            or targets.dtype == torch.bool):
+        where = f" ({tp} sequence-parallel slices of {hidden.shape[0]})" if sp else ""
+        raise ValueError(f"targets: expected integer ids of shape {(seq, hidden.shape[1])}, hidden's "
+                         f"[s, b]{where}, found {targets.dtype} of shape {tuple(targets.shape)}")
+
+
+def _coefs(coef_fn: CoefFn, r0: int, r1: int, lp: Tensor, ent: Tensor | None, valid: Tensor):
+    """coef_fn's (g_lp, g_ent) for rows r0:r1, checked, fp32, 0 on ignored rows (even NaN there)."""
+    out = coef_fn(r0, r1, lp, ent)
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise ValueError(f"coef_fn: expected a (g_lp, g_ent or None) pair, found {type(out).__name__}")
+    res = []
+    for name, g in zip(("g_lp", "g_ent"), out):
+        if g is None:
+            res.append(None)
+            continue
+        if not isinstance(g, Tensor) or g.shape != (r1 - r0,) or not g.dtype.is_floating_point:
+            raise ValueError(f"coef_fn: expected {name} a float tensor of shape ({r1 - r0},) for rows "
+                             f"{r0}:{r1}, found {getattr(g, 'dtype', type(g).__name__)} of shape "
+                             f"{tuple(getattr(g, 'shape', ()))}")
+        res.append(torch.where(valid, g.float(), 0.0))
+    if res[1] is not None and ent is None:
+        raise ValueError("coef_fn: returned an entropy gradient, but return_entropy=False computes no entropy")
+    return res
+
+
+def _run(x: Tensor, weight: Tensor, coef_fn: CoefFn, lt: Tensor, owned: Tensor, valid: Tensor, plan: Plan,
+         head: _Head, need_h: bool, need_w: bool):
+    """lp [N], ent [N] or None, gh [N, h] (compute dtype, this rank's part) or None, gw or None."""
+    n_rows, nv, cd, t = x.shape[0], plan.n_valid, head.compute, plan.temperature
+    wc = weight[:nv].to(cd)  # a copy only when head_dtype differs from the weight's
+    lp = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    ent = torch.empty_like(lp) if plan.entropy else None
+    gh = torch.empty(x.shape, dtype=cd, device=x.device) if need_h else None
+    gw = torch.zeros_like(weight) if need_w else None  # padding rows keep a zero gradient
+    # the weight gradient sums over every chunk: in fp32, whatever the weight's dtype
+    acc = None if gw is None else gw[:nv] if gw.dtype == torch.float32 else torch.zeros(
+        (nv, weight.shape[1]), dtype=torch.float32, device=x.device)
+    # slots: w (units, then the gradient), p (2^u, with entropy), and fp32 logits, which must
+    # survive chunk_stats for chunk_grad (bf16 logits are their own tensor)
+    slots = 1 + plan.entropy + (cd == torch.float32)
+    ws = workspace(slots * plan.chunk_rows * nv, x.device)
+    for r0, r1 in row_chunks(n_rows, plan.chunk_rows):  # every rank: the same rows, the same chunks
+        rows, n = slice(r0, r1), (r1 - r0) * nv
+        m, s, e = empty_stats(r1 - r0, plan.entropy, x.device)
+        tx = torch.zeros_like(s)
+        if nv:  # a rank holding only vocabulary padding still joins each chunk's reductions
+            w, p = ws[:n].view(r1 - r0, nv), ws[n:2 * n].view(r1 - r0, nv) if plan.entropy else None
+            hc = x[rows].to(cd)  # fp32 logits go to the last slot; bf16 ones are a new tensor
+            logits = _chunk_logits(hc, wc, ws[(slots - 1) * n:slots * n].view(r1 - r0, nv))
+            tx.copy_(logits.gather(1, lt[rows, None]).squeeze(1))
+            chunk_stats(w, p, logits, m, s, e, t)
+        lp_c, ent_c, s, e_mean, _ = reduce_stats(m, s, e, tx, owned[rows], valid[rows], plan)
+        lp[rows] = lp_c
+        if ent is not None:
+            ent[rows] = ent_c
+        g_lp, g_ent = _coefs(coef_fn, r0, r1, lp[rows], None if ent is None else ent[rows], valid[rows])
+        if not nv or not (need_h or need_w):
+            continue
+        coef, _ = grad_rows(g_lp, g_ent, (m, s, e_mean, lt[rows], owned[rows], valid[rows]), t)
+        g = chunk_grad(w, p if coef.a is not None else None, logits, coef, t).to(cd)  # d loss / d logits
+        if need_h:
+            torch.mm(g, wc, out=gh[rows])
+        if acc is not None and cd == torch.float32:
+            acc.addmm_(g.t(), hc)
+        elif acc is not None:  # a cd matmul rounds each chunk's part once; the sum is fp32
+            acc.add_(g.t() @ hc)
+    if need_h and not nv:
+        gh.zero_()
+    if gw is not None and acc.data_ptr() != gw.data_ptr():
+        gw[:nv].copy_(acc)
+    return lp, ent, gh, gw
+
+
+def fused_grad_logprobs(
+    hidden: Tensor, weight: Tensor, targets: Tensor, coef_fn: CoefFn, *, tp_group=None,
+    sequence_parallel: bool = False, temperature: float = 1.0, return_entropy: bool = False,
+    vocab_size: int | None = None, mask: Tensor | None = None, ignore_index: int = IGNORE_INDEX,
+    chunk_rows: int | None = None, head_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """(lp [s, b] fp32, ent [s, b] fp32 or None, z): fused_token_logprobs's values, and z, a 0-d
+    fp32 zero whose backward gives hidden and weight the gradient of the caller's loss.
+
+    hidden, weight, targets, tp_group, sequence_parallel, temperature, return_entropy, vocab_size,
+    mask, ignore_index, chunk_rows, head_dtype: as fused_token_logprobs (keep= is not supported).
+    The default chunk_rows is sized from v_local (not the valid columns) so every rank of an
+    uneven vocabulary runs the same chunks.
+    coef_fn(r0, r1, lp_rows, ent_rows) -> (g_lp, g_ent): called once per chunk, in increasing,
+        disjoint row order covering rows 0..s*b of the flattened (s-major) [s, b] positions (under
+        SP, of the gathered sequence), on every TP rank with identical lp_rows [r1-r0] fp32 and
+        ent_rows [r1-r0] fp32 (None without entropy). Returns d loss / d lp and d loss / d ent of
+        those rows ([r1-r0] float; g_ent None: no entropy gradient). The loss must be a sum of
+        per-token terms. Ignored/masked rows' coefficients are treated as 0. It runs under
+        no_grad and must not call a head itself (they share vocab_softmax's workspace).
+    lp and ent carry no autograd graph. z's backward with incoming gradient g returns g * dL/dhidden
+    (summed over TP as ColumnParallelLinear's backward does, hidden's dtype) and g * dL/dweight
+    (weight's dtype, summed over the chunks in fp32), computed in forward; only for inputs that
+    require grad (with grad mode on). See the module docstring for collectives and memory.
+    """
+    _, tp, rank = resolve_group(tp_group)
+    sp = bool(sequence_parallel)
+    _check_args(hidden, weight, targets, mask, tp, sp, head_dtype)
+    if chunk_rows is None:
+        per_row = 4 * max(1, weight.shape[0])
+        chunk_rows = max(_MIN_DEFAULT_CHUNK_ROWS, CHUNK_BYTES.get(hidden.device.type, CHUNK_BYTES["cuda"]) // per_row)
+    plan, lt, owned, valid = plan_targets(
+        targets.long(), weight.shape[0], hidden.device, tp_group=tp_group, temperature=temperature,
+        return_entropy=return_entropy, vocab_size=vocab_size, mask=mask, ignore_index=ignore_index,
+        chunk_rows=chunk_rows)
+    head = _Head(head_dtype or hidden.dtype, sp, tp, rank)
+    grad_on = torch.is_grad_enabled()
+    need_h, need_w = grad_on and hidden.requires_grad, grad_on and weight.requires_grad
+    with torch.no_grad():
+        full = hidden
+        if sp and plan.group is not None:  # [s/tp, b, h] -> [s, b, h]; freed after the loop
+            full = _gather_sequence(hidden.contiguous(), plan.group, tp)
+        x = full.reshape(-1, full.shape[-1])  # [N, h]; a copy only for a non-contiguous view
+        lp, ent, gh, gw = _run(x, weight, coef_fn, lt, owned, valid, plan, head, need_h, need_w)
+        del full, x
+        if gh is not None:
+            gh = _sum_hidden_grad(gh, plan.group, head).view(hidden.shape).to(hidden.dtype)
+    shape = targets.shape
+    z = (_StoredGrad.apply(hidden, weight, gh, gw) if need_h or need_w
+         else hidden.new_zeros((), dtype=torch.float32))
+    return lp.view(shape), None if ent is None else ent.view(shape), z

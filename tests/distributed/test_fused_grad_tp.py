@@ -1,0 +1,190 @@
+"""fused_grad_logprobs over TP = 2 and 4 gloo ranks, with and without sequence parallelism,
+against fused_token_logprobs on one process (full weight) + autograd of the same separable loss:
+lp, entropy, the gradients of hidden and of this rank's weight shard, what coef_fn saw, and the
+collectives (the same on every rank, per chunk), over an even vocabulary, a padded one, and one
+where a rank holds only padding.
+
+One 4-rank launch: megatron's TP group (tp=4) is the default group; explicit subgroups give TP=2.
+"""
+import pytest
+import torch
+
+from megatron_cispo.testing import spawn
+
+S, B, H, CHUNK = 8, 2, 16, 3  # 16 rows in chunks of 3: 6 chunks, the last one short
+# Padded to the next multiple of 8 * tp: 96 never, 83 always, 20 leaves rank 3 of 4 all padding.
+VOCABS = (96, 83, 20)
+DTYPES = {"fp32": (torch.float32, None), "bf16": (torch.bfloat16, None)}
+TEMPERATURE, CLIP, ENT_W = 0.8, 1.2, 0.05
+
+
+def _data(vocab, padded, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(S, B, H, generator=g).to(dtype)
+    weight = torch.randn(padded, H, generator=g) * 3 / H ** 0.5
+    weight[vocab:] = 5.0  # junk padding rows: logits that would dominate if they counted
+    t = torch.randint(0, vocab, (S, B), generator=g)
+    t[1, 0] = -100
+    mask = torch.ones(S, B, dtype=torch.bool)
+    mask[5, 1] = False
+    adv = torch.randn(S, B, generator=g)
+    anchor = torch.randn(S, B, generator=g) * 0.1 - 3.0
+    return hidden, weight.to(dtype), t, mask, adv, anchor
+
+
+def _case(tp, group, rank, single, vocab, sp, dtype_name, count):
+    from megatron_cispo.fused_grad import fused_grad_logprobs
+    from megatron_cispo.fused_head import fused_token_logprobs
+
+    dtype, head_dtype = DTYPES[dtype_name]
+    padded = -(-vocab // (8 * tp)) * 8 * tp
+    vl = padded // tp
+    hidden, weight, t, mask, adv, anchor = _data(vocab, padded, dtype, seed=vocab + tp)
+    valid = mask & (t != -100)
+    kw = dict(temperature=TEMPERATURE, return_entropy=True, vocab_size=vocab, mask=mask, head_dtype=head_dtype)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp_r, ent_r = fused_token_logprobs(h, w, t, tp_group=single, **kw)
+    ratio = torch.exp(lp_r - anchor).clamp(max=CLIP).detach()
+    ((-adv * ratio * lp_r).sum() - ENT_W * (ent_r * valid).sum()).backward()
+
+    seen = []
+
+    def coef_fn(r0, r1, lp, ent):
+        seen.append((r0, r1, lp.clone(), ent.clone()))
+        a, k = adv.reshape(-1)[r0:r1], anchor.reshape(-1)[r0:r1]
+        return -a * torch.exp(lp - k).clamp(max=CLIP), torch.full_like(ent, -ENT_W)
+
+    sl = S // tp if sp else S
+    rows = slice(rank * vl, (rank + 1) * vl)
+    mine = hidden[rank * sl:(rank + 1) * sl] if sp else hidden
+    h2, w2 = mine.clone().requires_grad_(), weight[rows].clone().requires_grad_()
+    count.clear()
+    lp, ent, z = fused_grad_logprobs(h2, w2, t, coef_fn, tp_group=group, sequence_parallel=sp,
+                                     chunk_rows=CHUNK, **kw)
+    fwd = list(count)
+    count.clear()
+    z.backward()
+    ref_gh = h.grad[rank * sl:(rank + 1) * sl] if sp else h.grad
+
+    def rel(a, b, full):  # relative to the whole gradient's largest entry: a shard may be all zeros
+        return ((a.float() - b.float()).abs().max() / full.float().abs().max()).item()
+
+    return {"lp": (lp - lp_r).abs().max().item(), "ent": (ent - ent_r).abs().max().item(),
+            "grad_hidden_rel": rel(h2.grad, ref_gh, h.grad), "grad_weight_rel": rel(w2.grad, w.grad[rows], w.grad),
+            "grad_dtypes": (h2.grad.dtype, w2.grad.dtype), "grad_shape": tuple(h2.grad.shape),
+            "padding_grad_zero": bool((w2.grad[max(0, vocab - rank * vl):] == 0).all()),
+            "seen_rows": [(r0, r1) for r0, r1, *_ in seen],
+            "seen": (torch.cat([s[2] for s in seen]), torch.cat([s[3] for s in seen])),
+            "collectives": (fwd, list(count))}
+
+
+def _worker():
+    import torch.distributed as dist
+
+    from megatron_cispo import fused_head
+    from megatron_cispo.runner import distributed
+
+    env = distributed.init_distributed(tp=4)
+    rank = env.rank
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    singles = [dist.new_group([r]) for r in range(4)]
+    count: list = []
+    real = (dist.all_reduce, fused_head._all_gather, fused_head._reduce_scatter,
+            fused_head._reduce_scatter_via_all_reduce)
+
+    def all_reduce(*a, **k):
+        count.append(str(k.get("op", dist.ReduceOp.SUM)).rsplit(".", 1)[-1])
+        return real[0](*a, **k)
+
+    def all_gather(*a, **k):
+        count.append("all_gather")
+        return real[1](*a, **k)
+
+    def reduce_scatter(*a, **k):
+        count.append("reduce_scatter")
+        return real[2](*a, **k)
+
+    dist.all_reduce = all_reduce
+    fused_head._all_gather, fused_head._reduce_scatter = all_gather, reduce_scatter
+    try:
+        results = {}
+        for tp, group, trank in [(4, None, rank), (2, pairs[rank // 2], rank % 2)]:  # None: megatron's
+            for vocab in VOCABS:
+                for sp in (False, True):
+                    for name in DTYPES:
+                        results[(tp, vocab, sp, name, "gloo")] = _case(
+                            tp, group, trank, singles[rank], vocab, sp, name, count)
+            # the reduce-scatter that NCCL runs, where this torch's gloo has it too
+            fused_head._reduce_scatter_via_all_reduce = lambda g: False
+            try:
+                results[(tp, 83, True, "fp32", "native")] = _case(tp, group, trank, singles[rank], 83, True,
+                                                                  "fp32", count)
+            finally:
+                fused_head._reduce_scatter_via_all_reduce = real[3]
+    finally:
+        dist.all_reduce, fused_head._all_gather, fused_head._reduce_scatter = real[:3]
+    return results
+
+
+@pytest.fixture(scope="module")
+def results():
+    return spawn(_worker, 4, timeout_s=300)
+
+
+def _cases(results, **want):
+    for rank, res in enumerate(results):
+        for key, r in res.items():
+            case = dict(zip(("tp", "vocab", "sp", "dtype", "path"), key))
+            if all(case[k] == v for k, v in want.items()):
+                yield (rank, key), r
+
+
+# values: fp32 math on the same logits; gradients relative to the largest entry: fp32 to
+# rounding, bf16 to a few ulps (per-chunk bf16 parts, a bf16 TP sum)
+TOL = {"fp32": (1e-5, 1e-5), "bf16": (1e-5, 2 ** -6)}
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_values_entropy_and_both_grads_match_one_process(results, tp, sp, dtype):
+    value_tol, grad_tol = TOL[dtype]
+    for where, r in _cases(results, tp=tp, sp=sp, dtype=dtype):
+        assert r["lp"] < value_tol and r["ent"] < value_tol, (where, r)
+        assert r["grad_hidden_rel"] < grad_tol and r["grad_weight_rel"] < grad_tol, (where, r)
+        assert r["padding_grad_zero"], (where, r)
+        assert r["grad_dtypes"] == (DTYPES[dtype][0],) * 2 and r["grad_shape"] == ((S // tp if sp else S), B, H)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_every_rank_runs_the_same_chunks_and_coef_fn_sees_the_same_values(results, tp):
+    chunks = [(r0, min(S * B, r0 + CHUNK)) for r0 in range(0, S * B, CHUNK)]
+    by_key = {}
+    for (rank, key), r in _cases(results, tp=tp):
+        assert r["seen_rows"] == chunks, (rank, key)
+        by_key.setdefault(key, []).append((rank, r))
+    for key, ranks in by_key.items():  # the ranks of one TP group: ranks r and r % tp share it
+        groups = {}
+        for rank, r in ranks:
+            groups.setdefault(rank // tp, []).append(r)
+        for members in groups.values():
+            for r in members[1:]:
+                assert all(torch.equal(a, b) for a, b in zip(r["seen"], members[0]["seen"])), key
+                assert r["collectives"] == members[0]["collectives"], key
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_collectives_per_chunk_max_and_sum_then_one_hidden_grad_sum_none_in_backward(results, tp):
+    n_chunks = -(-S * B // CHUNK)
+    for where, r in _cases(results, tp=tp):
+        sp, path = where[1][2], where[1][4]
+        fwd, bwd = r["collectives"]
+        grad_sum = ["reduce_scatter"] if path == "native" else ["SUM"]  # gloo: all-reduce, then a slice
+        assert fwd == (["all_gather"] if sp else []) + ["MAX", "SUM"] * n_chunks + grad_sum, (where, fwd)
+        assert bwd == [], (where, bwd)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_native_reduce_scatter_path_matches_too(results, tp):
+    for where, r in _cases(results, tp=tp, path="native"):
+        assert r["lp"] < 1e-5 and r["grad_hidden_rel"] < 1e-5 and r["grad_weight_rel"] < 1e-5, (where, r)
