@@ -224,6 +224,7 @@ def test_invalid_flag_value_error_names_the_flag_and_the_field():
     (dict(entropy_coef=0.1), "--grpo-entropy-term-weight"),
     (dict(correction=CorrectionConfig(geo_rs=(0.9, 1.1))), "off-policy corrections need the policy step"),
     (dict(correction=CorrectionConfig(mis=(0.5, 2.0))), "off-policy corrections need the policy step"),
+    (dict(head="fused_grad"), "get_logprobs never receives.*use --cispo-head fused"),
 ])
 def test_configs_the_dropin_cannot_honour_are_rejected_with_the_megatron_flag(change, flag):
     with pytest.raises(ConfigError, match=flag):

@@ -110,6 +110,13 @@ def check_dropin_config(cfg: LossConfig) -> LossConfig:
                         "boundaries and pre-step selection; not available in calculate_grpo_loss")
     if cfg.entropy_coef != 0.0:
         problems.append(f"entropy_coef={cfg.entropy_coef!r}: use Megatron's --grpo-entropy-term-weight")
+    if cfg.head == "fused_grad":
+        # get_logprobs(model, tokens, position_ids, ...) gets no advantages, old/ref logprobs or loss
+        # mask, and train_rl.py forms the loss from its return value, so no gradient exists in the forward.
+        problems.append("head='fused_grad' (--cispo-head fused_grad): train_rl.py forms the loss after "
+                        "get_logprobs returns, from advantages, old/ref logprobs and a loss mask that "
+                        "get_logprobs never receives, so the gradient cannot be computed in the forward; "
+                        "use --cispo-head fused (same memory saving, gradient by recompute)")
     if problems:
         raise ConfigError("LossConfig not usable with Megatron-LM's calculate_grpo_loss: " + "; ".join(problems))
     try:
