@@ -198,6 +198,13 @@ class LossConfig:
         "head/fused_grad_fallback; docs/algorithm.md).")
     head_fp32: bool = config_field(
         False, "Fused heads only: run its matmul in fp32 from bf16 parameters (ScaleRL's fp32 LM head).")
+    routing_replay: Literal["off", "rollout"] = config_field(
+        "off", "MoE routing replay (R3): 'rollout' routes every token of every pass that scores the rollouts "
+        "(training forwards, their recompute, pi_old and reference passes) through the experts the sampler "
+        "chose (rollouts.routed_experts; a token without a route keeps the router's own), with the router "
+        "weights taken from the dense scores so they still train; 'off' routes as the router does and, "
+        "when the rollouts carry routes, only measures moe/route_mismatch. 'rollout' needs an MoE model "
+        "and routes from the sampler (docs/algorithm.md).")
     cispo: CispoConfig = config_field(factory=CispoConfig, doc="CISPO loss settings.")
     ppo: PPOConfig = config_field(factory=PPOConfig, doc="PPO clipped-surrogate settings.")
     rollout_is: RolloutISConfig = config_field(factory=RolloutISConfig, doc="rollout_is loss settings.")

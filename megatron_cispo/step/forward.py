@@ -31,6 +31,7 @@ from .moe import no_aux_loss_without_tokens
 from .packing import microbatches as build_microbatches
 from .packing import step_layout
 from .pipeline import broadcast_tensor_from_last_stage, is_last_stage
+from .routing_replay import replay_routes
 from .rollouts import Rollouts, StepConfig
 
 
@@ -58,7 +59,9 @@ def forward_step_for(loss_func, calls: Optional[list] = None, head: str = "logit
             kwargs["fp32_output"] = False
         if moe is not None:
             moe.start(mb.n_seqs, model)
-        with no_aux_loss_without_tokens(getattr(unwrap(model)[0], "config", None), mb.n_seqs):
+        # replay_routes: the sampler's MoE routes for this forward (loss.routing_replay), taken back after
+        with no_aux_loss_without_tokens(getattr(unwrap(model)[0], "config", None), mb.n_seqs), \
+                replay_routes(model, mb):
             output, fused = forward_with_head(model, head, mb.input_ids, mb.position_ids, None, **kwargs)
         if fused is not None:
             mb = dataclasses.replace(mb, fused=fused)

@@ -33,6 +33,8 @@ class Microbatch:
     ref_logprobs: Optional[Tensor] = config_field(None, "[b, s] fp32, the reference model's")
     token_keep: Optional[Tensor] = config_field(None, "[b, s] bool: M2PO's selection (step.m2po); False = no "
                                                       "loss, still in the denominator")
+    routed_experts: Optional[Tensor] = config_field(None, "[b, s, moe_layers, top_k] int: the sampler's route of "
+                                                          "each input position, -1 = none (routing replay)")
     kept_set: Optional[KeptSet] = config_field(None, "the sampler's kept set of each [b, s] position (replay)")
     input_ids: Optional[Tensor] = config_field(None, "[b, s] int: the model's input (forward_step needs it)")
     position_ids: Optional[Tensor] = config_field(None, "[b, s] int (forward_step needs it)")

@@ -92,7 +92,17 @@ def _fields(batch: Rollouts, weights: tuple[Tensor, Tensor],
     for name in ("rollout_logprobs", "old_logprobs", "ref_logprobs"):
         if getattr(batch, name) is not None:
             f[name] = getattr(batch, name).float()
+    if batch.routed_experts is not None:  # [n, s, L, k]: cut along [n, s] like the rest
+        f["routed_experts"] = batch.routed_experts.long()
     return f
+
+
+_FILL = {"routed_experts": -1}  # what a field holds at padding positions (0 for the rest); -1 = no route
+
+
+def _filler(t: Tensor, name: str, *lead: int) -> Tensor:
+    """Padding of field `name` shaped [*lead, trailing dims of t]."""
+    return t.new_full((*lead, *t.shape[2:]), _FILL.get(name, 0))
 
 
 def plan_bins(batch: Rollouts, budget: int, window: Optional[int] = None) -> list[list[int]]:
@@ -151,8 +161,8 @@ def packed_microbatches(batch: Rollouts, weights: tuple[Tensor, Tensor], bins: l
             seg.append(torch.full((width,), j if i is not None else -1, dtype=torch.int64, device=dev))
             pad.append(torch.arange(width, device=dev) >= length)
             for k, t in fields.items():
-                head = t[i, :length] if i is not None else t.new_zeros(0)
-                per[k].append(torch.cat([head, t.new_zeros(width - length)]))
+                head = t[i, :length] if i is not None else _filler(t, k, 0)
+                per[k].append(torch.cat([head, _filler(t, k, width - length)]))
         keep = cp_indices(segs, layout.cp, layout.cp_rank, dev) if layout.cp > 1 else None
 
         def local(parts: list[Tensor]) -> Tensor:
@@ -186,9 +196,9 @@ def padded_microbatches(batch: Rollouts, weights: tuple[Tensor, Tensor], *, micr
     pad = pos[None, :] >= lengths[:, None]  # [n, S]
     extra = width - s
 
-    def widen(t: Tensor) -> Tensor:
-        return torch.cat([t, t.new_zeros(n, extra)], 1) if extra else t
-    fields = {k: widen(v) for k, v in _fields(batch, weights, token_fields).items()}
+    def widen(t: Tensor, name: str = "") -> Tensor:
+        return torch.cat([t, _filler(t, name, n, extra)], 1) if extra else t
+    fields = {k: widen(v, k) for k, v in _fields(batch, weights, token_fields).items()}
     ids = widen(torch.where(pad[:, :s], 0, _embeddable(batch.tokens[:, :-1], layout.vocab)))
     tgt = widen(torch.where(pad[:, :s], 0, batch.tokens[:, 1:]))
     gidx = torch.where(pad, -1, torch.arange(n, device=dev)[:, None] * s + pos[None, :])

@@ -34,6 +34,7 @@ from .packing import Layout, microbatches, step_layout
 from .pipeline import broadcast_object_from_last_stage, is_last_stage
 from .reduce import all_reduce_in, reduce_metrics
 from .rollouts import Rollouts, StepConfig
+from .routing_replay import RoutingReplay
 
 
 OldPlan = Literal["given", "pass", "from_training_forward", "unused"]
@@ -78,6 +79,9 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
     global batch; the loss reports "correction/m2po_masked_frac". An MoE model adds
     "moe/aux_loss" and "moe/z_loss" (when the router computes them) and "moe/expert_tokens_max" /
     "_min", exact over DP, EP, TP, CP and PP (step.moe.RouterStats.reduce defines them).
+    With batch.routed_experts on an MoE model, step.routing_replay adds "moe/route_mismatch" (and
+    per MoE layer "moe/route_mismatch_l{j}"), "moe/replay_fallback_frac" and "moe/replay_fallbacks";
+    loss.routing_replay='rollout' also routes every pass (pi_old, reference, training) the sampler's way.
     row_ids: [n] int, each local row's global sequence index, unique over DP and the same in every
     layout (M2PO's tie-break); default: the Rollouts.dp_shard layout, with as many minibatches as
     minibatch_size makes.
@@ -85,17 +89,24 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
     trained target on any rank (`check_advantages`); non-finite old/rollout/ref logprobs are not
     an error: the loss drops those tokens and counts them in "policy/nonfinite_dropped".
     """
+    from megatron.core import parallel_state as mpu
+
     check_megatron_config(chunks)
     check_loss_config(loss_cfg)
     shape = check_batch(chunks, batch, loss_cfg, step_cfg, ref_chunks=ref_chunks)
     calls = [] if calls is None else calls
-    batch, keep, m2po_metrics = prepare_inputs(chunks, batch, loss_cfg, step_cfg, shape, vocab_size=vocab_size,
-                                               ref_chunks=ref_chunks, calls=calls, row_ids=row_ids)
-    router_stats = RouterStats.of(chunks)  # None for a dense model
-    run = train(chunks, optimizer, batch, loss_cfg, step_cfg, shape, keep=keep, vocab_size=vocab_size,
-                calls=calls, router_stats=router_stats)
+    # MoE routing replay (R3) in every pass over the rollouts: pi_old, reference and training
+    replay = RoutingReplay.of([*chunks, *(ref_chunks or [])], batch, loss_cfg.routing_replay,
+                              mpu.get_data_parallel_group())
+    with replay or contextlib.nullcontext():
+        batch, keep, m2po_metrics = prepare_inputs(chunks, batch, loss_cfg, step_cfg, shape, vocab_size=vocab_size,
+                                                   ref_chunks=ref_chunks, calls=calls, row_ids=row_ids)
+        router_stats = RouterStats.of(chunks)  # None for a dense model
+        run = train(chunks, optimizer, batch, loss_cfg, step_cfg, shape, keep=keep, vocab_size=vocab_size,
+                    calls=calls, router_stats=router_stats)
     return {**run.metrics(shape), "step/forward_calls": float(len(calls)), **m2po_metrics,
-            **(router_stats.reduce() if router_stats is not None else {})}
+            **(router_stats.reduce() if router_stats is not None else {}),
+            **(replay.reduce() if replay is not None else {})}
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,11 @@ class Rollouts:
     keep_offsets: Optional[Tensor] = config_field(None, "[n*s + 1] int: where each position's kept ids start; "
                                                         "an empty position keeps the full vocabulary. Both keep_ "
                                                         "fields or neither; each trained target must be in its set.")
+    routed_experts: Optional[Tensor] = config_field(
+        None, "[n, s, moe_layers, top_k] int: the sampler's experts for the token fed at each model input "
+              "position t (tokens[:, t], whose output scores target t), per MoE layer in model order, as vLLM "
+              "returns them; a token with any -1 has no route and takes its router's own choice "
+              "(loss.routing_replay, step.routing_replay). Checked against the model by policy_step.")
 
     def __post_init__(self):
         self._check_layout()
@@ -92,6 +97,11 @@ class Rollouts:
         if (self.keep_ids is None) != (self.keep_offsets is None):
             raise ValueError("rollouts.keep_ids and rollouts.keep_offsets come together (the kept sets in "
                              "compressed rows); got only one of them")
+        r = self.routed_experts
+        if r is not None and (r.dim() != 4 or tuple(r.shape[:2]) != (n, s) or r.dtype.is_floating_point
+                              or r.dtype == torch.bool):
+            raise ValueError(f"rollouts.routed_experts must be an int [n, s, moe_layers, top_k] tensor with [n, s] = "
+                             f"{(n, s)} (one route per model input position), got {r.dtype} {tuple(r.shape)}")
         if self.keep_offsets is not None and self.keep_offsets.shape != (n * s + 1,):
             raise ValueError(f"rollouts.keep_offsets has shape {tuple(self.keep_offsets.shape)}; expected "
                              f"[n*s + 1] = ({n * s + 1},), one kept set per target position")
@@ -170,7 +180,7 @@ class Rollouts:
         """The given fields of rows `idx` (a slice or an index tensor), as Rollouts(**...) takes them
         (`rows(idx)` builds that batch without checking it again)."""
         out = {k: getattr(self, k)[idx] for k in ("tokens", "loss_mask", "advantages", "rollout_logprobs",
-                                                  "old_logprobs", "ref_logprobs", "lengths")
+                                                  "old_logprobs", "ref_logprobs", "lengths", "routed_experts")
                if getattr(self, k) is not None}
         if self.keep_ids is not None:  # the rows' positions' kept sets, in compressed rows again
             n, s = self.tokens.shape[0], self.tokens.shape[1] - 1
