@@ -20,7 +20,7 @@ from torch import Tensor
 
 from .kept_set import KeptSet, Replay, plan_replay
 from .vocab_softmax import (DTYPES, IGNORE_INDEX, Plan, check_devices, chunk_grad, chunk_stats, empty_stats,
-                            grad_rows, plan_targets, reduce_stats, row_chunks, workspace)
+                            grad_buffer, grad_rows, plan_targets, reduce_stats, row_chunks, workspace)
 
 def _local_stats(x2: Tensor, plan: Plan):
     """Per row of this shard: max logit m, S = sum 2^u and E = sum 2^u * u, u = (x - m) log2(e) / T.
@@ -67,7 +67,7 @@ class _TokenLogprobs(torch.autograd.Function):
         x2 = logits.reshape(-1, logits.shape[-1])
         n_rows, nv, t = x2.shape[0], plan.n_valid, plan.temperature
         coef, active = grad_rows(g_lp if rp is None else rp.dense_part(g_lp), g_ent, ctx.stats, t)
-        out = x2 if inplace else torch.empty_like(x2, memory_format=torch.contiguous_format)
+        out = x2 if inplace else grad_buffer(x2)
         if nv == 0:  # this shard is all vocab padding
             return out.zero_().view_as(logits), None, None, None, None, None
         if nv < x2.shape[1]:
