@@ -19,6 +19,7 @@ import os
 import platform
 import re
 import statistics
+import subprocess
 import sys
 import time
 
@@ -30,6 +31,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SECTION = "## token_logprobs vs megatron-core vocab_parallel_cross_entropy"
 TARGETS = {"bf16": (0.5, 0.1), "fp32": (0.7, 0.1)}  # (time ratio to mcore, extra memory / shard)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OP_FILES = ["megatron_cispo/logprobs.py", "megatron_cispo/vocab_softmax.py", "megatron_cispo/kept_set.py",
+            "benchmarks/bench_logprobs.py"]
+
+
+def measured_at() -> str:
+    """The commit the op was measured at, and whether its files differed from it."""
+    def git(*a):
+        return subprocess.run(["git", "-C", ROOT, *a], capture_output=True, text=True).stdout.strip()
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    return commit + (" with local changes to " + ", ".join(git("status", "--porcelain", "--", *OP_FILES).split()[1::2])
+                     if git("status", "--porcelain", "--", *OP_FILES) else "")
 
 
 def _status_kib(key: str) -> int:
@@ -124,9 +137,10 @@ def _worker(tp, dtype_name, tokens, vocab, reps, threads):
 def run_case(tp, dtype_name, tokens, vocab, reps, threads):
     from megatron_cispo.testing import spawn
 
+    load0 = os.getloadavg()[0]
     per_rank = spawn(_worker, tp, args=(tp, dtype_name, tokens, vocab, reps, threads), timeout_s=1800)
     ops = per_rank[0]["time"]
-    return {"time": {k: max(r["time"][k] for r in per_rank) for k in ops},
+    return {"load": (load0, os.getloadavg()[0]), "time": {k: max(r["time"][k] for r in per_rank) for k in ops},
             "extra": {k: max(r["extra"][k] for r in per_rank) for k in ops},
             "shard_bytes": per_rank[0]["shard_bytes"], "threads": per_rank[0]["threads"]}
 
@@ -134,8 +148,8 @@ def run_case(tp, dtype_name, tokens, vocab, reps, threads):
 def table(rows) -> str:
     lines = [
         "| TP | dtype | shard MiB | mcore s | ours s | time ratio | mcore extra / shard "
-        "| ours extra / shard | target (time, mem) | caller keeps logits: time ratio, extra / shard |",
-        "|---|---|---|---|---|---|---|---|---|---|"]
+        "| ours extra / shard | target (time, mem) | caller keeps logits: time ratio, extra / shard | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (tp, dt), r in rows:
         t, e, sb = r["time"], r["extra"], r["shard_bytes"]
         ratio = t["ours"] / t["mcore"]
@@ -145,11 +159,12 @@ def table(rows) -> str:
         lines.append(
             f"| {tp} | {dt} | {sb / 2**20:.0f} | {t['mcore']:.3f} | {t['ours']:.3f} | {ratio:.2f}x "
             f"| {e['mcore'] / sb:.2f}x | {mem:.3f}x | <= {tgt_t}x, <= {tgt_m}x: {ok} "
-            f"| {t['ours_keep'] / t['mcore']:.2f}x, {e['ours_keep'] / sb:.3f}x |")
+            f"| {t['ours_keep'] / t['mcore']:.2f}x, {e['ours_keep'] / sb:.3f}x "
+            f"| {r['load'][0]:.1f} / {r['load'][1]:.1f} |")
     return "\n".join(lines)
 
 
-def section(body: str, tokens: int, vocab: int, reps: int, threads: int, command: str) -> str:
+def section(body: str, tokens: int, vocab: int, reps: int, threads: int, command: str, commit: str) -> str:
     import megatron.core.package_info as mpi
 
     cpu = platform.processor() or platform.machine()
@@ -160,7 +175,7 @@ def section(body: str, tokens: int, vocab: int, reps: int, threads: int, command
         pass
     return f"""{SECTION}
 
-Command: `{command}`
+Command: `{command}`, at commit `{commit}`.
 
 Shape {tokens} tokens x {vocab} vocab, fwd+bwd of the summed logprobs (mcore: summed loss),
 median of {reps} reps after a warm-up, ops interleaved rep by rep in the same processes.
@@ -176,11 +191,12 @@ Machine: {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, megatron-core
   overwrites its input in the forward, even when the caller still needs it).
 - **caller keeps logits**: the caller still holds the logits during backward, so ours allocates
   a separate gradient buffer (not counted as extra, but its first-touch page faults are timed).
+- **load**: the machine's 1-min load average at the start / end of the row's run (other jobs).
 
 {body}
 
 What bounds these figures (CPU):
-- Memory: ours keeps O(tokens) statistics plus one fp32 workspace of `_CHUNK_BYTES` (4 MiB on
+- Memory: ours keeps O(tokens) statistics plus one fp32 workspace of `vocab_softmax.CHUNK_BYTES` (4 MiB on
   CPU), so its extra is that workspace whatever the shape. megatron-core on bf16 makes a full fp32
   copy of the shard and keeps it as the softmax for backward (2x the bf16 shard); on fp32 it has
   no extra because it computes in, and returns its gradient in, the caller's logits buffer.
@@ -193,8 +209,12 @@ What bounds these figures (CPU):
   re-reads an fp32 copy twice the shard's size. On a GPU both ops are memory-bound, which favours
   ours further (2 reads + 1 write of the shard, versus about 10 fp32 passes).
 - "caller keeps logits": the extra time is the first touch (page faults) of a fresh
-  shard-sized gradient buffer; CPU torch returns large blocks to the OS, so every step pays it.
-  A GPU caching allocator does not.
+  shard-sized gradient buffer; CPU torch returns large blocks to the OS, so every step pays it
+  (a GPU caching allocator does not). With 4 KiB pages that was 110-160 ms per 297 MiB on an idle
+  box, about half of backward, and it grows with load. `vocab_softmax.grad_buffer` asks for
+  transparent huge pages for it (MADV_HUGEPAGE; the kernel's THP mode must be `madvise` or
+  `always`), which faults it in about 20 ms. This box is a VM whose balloon reports free memory
+  to the host, so the first reps after start, and some later ones, still stall on host faults.
 - Threads: run with one thread per rank. This 2-core machine is shared with other jobs (load
   average around 10 during these runs); with 2 intra-op threads, each of ours' ~15 small
   parallel regions per chunk stalls whenever one of its threads is descheduled, which made ours
@@ -226,6 +246,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.quick:
         args.tokens, args.vocab, args.reps = 512, 32000, 3
+    commit = measured_at()
     rows = []
     for tp in args.tp:
         for dt in args.dtype:
@@ -238,7 +259,7 @@ def main(argv=None) -> None:
         command = "python benchmarks/bench_logprobs.py " + " ".join(
             a for a in (argv if argv is not None else sys.argv[1:]))
         write_section(args.write, section(body, args.tokens, args.vocab, args.reps, args.threads,
-                                           command.strip()))
+                                           command.strip(), commit))
 
 
 if __name__ == "__main__":
