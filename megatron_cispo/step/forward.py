@@ -41,7 +41,7 @@ def forward_step_for(loss_func, calls: Optional[list] = None, head: str = "logit
 
     Passes packed_seq_params and the MoE padding_mask when the microbatch has them, and asks a
     Float16Module for its output in the model's dtype (fp32_output=False): the heads upcast chunk
-    by chunk, so an fp32 copy of the logits is never needed. head="fused": on the last stage the
+    by chunk, so an fp32 copy of the logits is never needed. head="fused" (or "fused_grad"): on the last stage the
     output layer is bypassed for this forward (head.forward_with_head); the model returns the
     hidden states and the microbatch given to loss_func carries the FusedHead. An MoE model runs
     an all-padding bin without its aux loss (step.moe.no_aux_loss_without_tokens). moe: a
@@ -209,6 +209,7 @@ def compute_logprobs(chunks, batch: Rollouts, step_cfg: StepConfig, *, vocab_siz
                      calls: Optional[list] = None, head: str = "logits", head_fp32: bool = False) -> Tensor:
     """Forward-only pass through the schedule, packed or padded as step_cfg says; [n, s] fp32
     logprobs of `batch`'s targets (0 on padding and untrained targets), on every PP and CP rank.
+    head="fused_grad" scores with the plain fused head here: a forward-only pass needs no gradient.
     Collectives: the schedule's, a MAX over DP (bin count), a SUM over CP, a broadcast over PP."""
     from megatron.core import parallel_state as mpu
 
