@@ -1,6 +1,7 @@
 """losses/token_grad.py: the per-chunk coefficients of loss.head=fused_grad equal torch.autograd.grad
 of the whole loss for every separable config, and each config fused_grad_fallback names really
-needs the fallback (the generic per-chunk coefficient is wrong for it) or says why it falls back.
+needs the fallback (the generic per-chunk coefficient is wrong for it) or says why it falls back;
+and make_loss_func with the real op equals the fused head on one process, fallback included.
 """
 import pytest
 import torch
@@ -11,6 +12,7 @@ from megatron_cispo.losses.token_grad import chunk_coef_fn, fused_grad_fallback,
 from megatron_cispo.step.forward import _segment_sum
 
 B, S = 3, 7
+KEY_FALLBACK = "head/fused_grad_fallback"
 
 
 def cfg_of(**d):
@@ -164,3 +166,50 @@ def test_plugins_and_kept_sets_fall_back_with_their_reason():
         pass
     assert "plugin" in fused_grad_fallback(cfg_of(policy_loss="token_grad_test_plugin"), False)
     assert "kept sets" in fused_grad_fallback(cfg_of(), False, kept_set=True)
+
+
+def _step_case(head, cfg_over, seed=5):
+    """make_loss_func on a tiny fused-head microbatch with the policy step's weights, one process:
+    (loss value, metrics, d loss / d hidden, d loss / d weight)."""
+    from megatron_cispo.step import Microbatch
+    from megatron_cispo.step.forward import make_loss_func
+    from megatron_cispo.step.head import FusedHead
+
+    g = torch.Generator().manual_seed(seed)
+    b, s, h, v = 2, 6, 8, 16
+    hidden = torch.randn(b, s, h, generator=g).requires_grad_()
+    weight = (torch.randn(v, h, generator=g) / h ** 0.5).requires_grad_()
+    mask = torch.rand(b, s, generator=g) > 0.2
+    agg_weight, share, _ = token_weights(mask, "seq_mean_token_mean")
+    mb = Microbatch(targets=torch.randint(0, v, (b, s), generator=g), loss_mask=mask,
+                    advantages=torch.randn(b, s, generator=g), rollout_logprobs=-2.8 + torch.randn(b, s, generator=g),
+                    old_logprobs=-2.8 + torch.randn(b, s, generator=g), seq_index=torch.arange(b)[:, None].expand(b, s),
+                    n_seqs=b, agg_weight=agg_weight, agg_share=share, loss_scale=0.7, num_tokens=torch.tensor(b * s),
+                    fused=FusedHead(weight, False))
+    cfg = cfg_of(**cfg_over, loss_agg="seq_mean_token_mean", head=head)
+    loss, num_tokens, m = make_loss_func(cfg, vocab_size=v)(mb, hidden)
+    loss.backward()
+    return loss.detach(), m.values(), hidden.grad, weight.grad
+
+
+def test_make_loss_func_fused_grad_matches_the_fused_head_and_counts_fallbacks():
+    import warnings
+
+    for over in ({"cispo": {"anchor": "old"}, "entropy_coef": 0.1}, {"correction": {"opsm": 0.0}}):
+        want = _step_case("fused", over)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            got = _step_case("fused_grad", over)
+        fell = "correction" in over
+        assert got[1].pop(KEY_FALLBACK) == float(fell)
+        assert [str(w.message) for w in seen if "fused_grad" in str(w.message)] == (
+            ["loss.head=fused_grad falls back to 'fused': correction.opsm=0.0 reads the current policy's "
+             "sequence mean of log(pi_ref / pi_theta)"] if fell else [])
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-6)
+        assert set(got[1]) == set(want[1])
+        for key in want[1]:
+            torch.testing.assert_close(got[1][key], want[1][key], rtol=0, atol=1e-6, msg=key)
+        for a, b in zip(got[2:], want[2:]):
+            assert b.abs().max() > 0
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
