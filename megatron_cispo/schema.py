@@ -90,6 +90,8 @@ def _convert(tp: Any, value: Any, path: str, strict: bool = False) -> Any:
                 continue
         raise _fail(path, tp, value)
     if origin is Literal:
+        if not strict and isinstance(value, bool) and ("off", "on")[value] in args:
+            value = ("off", "on")[value]  # PyYAML (YAML 1.1) reads a bare off / on as a bool
         # `type(a) is type(value)` keeps True from matching a Literal[1].
         if any(a == value and type(a) is type(value) for a in args):
             return value

@@ -9,6 +9,7 @@ pre-LayerNorm blocks, per-head interleaved QKV, GeLU MLP or top-k MoE, untied ou
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -81,11 +82,13 @@ class TorchGPT:
         top, experts = torch.topk(logits, self.topk, dim=-1)
         return torch.softmax(top, -1), experts
 
-    def _moe(self, x: Tensor, p: str) -> Tensor:
+    def _moe(self, x: Tensor, p: str, routes: Optional[list] = None) -> Tensor:
         """megatron's MoELayer with SequentialMLP experts: each token's output is the sum over its
         k experts of fc2(gelu(fc1(x)) * prob); the router prob scales the activation (and an fc2 bias)."""
         flat = x.reshape(-1, x.shape[-1])
         probs, experts = self._route(flat, p)
+        if routes is not None:  # the experts each token went to, [b, s, k], for routing replay
+            routes.append(experts.view(*x.shape[:2], -1))
         out = torch.zeros_like(flat)
         for e in range(self.num_experts):
             tok, slot = (experts == e).nonzero(as_tuple=True)
@@ -102,14 +105,15 @@ class TorchGPT:
         return out.view_as(x)
 
     @torch.no_grad()
-    def logits(self, tokens: Tensor) -> Tensor:
-        """tokens: [b, s] int64 -> logits [b, s, vocab] in the model dtype."""
+    def logits(self, tokens: Tensor, routes: Optional[list] = None) -> Tensor:
+        """tokens: [b, s] int64 -> logits [b, s, vocab] in the model dtype. routes: a list that gets
+        each MoE layer's experts [b, s, k] int64, in layer order."""
         s = tokens.shape[1]
         pos = torch.arange(s, device=tokens.device)
         h = self.w["embedding.word_embeddings.weight"][tokens] + self.w["embedding.position_embeddings.weight"][pos]
-        mlp = self._mlp if self.num_experts is None else self._moe
         for i in range(self.cfg.num_layers):
             p = f"decoder.layers.{i}"
             h = h + self._attention(self._ln(h, p + ".input_layernorm"), p + ".self_attention")
-            h = h + mlp(self._ln(h, p + ".pre_mlp_layernorm"), p + ".mlp")
+            normed = self._ln(h, p + ".pre_mlp_layernorm")
+            h = h + (self._mlp(normed, p + ".mlp") if self.num_experts is None else self._moe(normed, p + ".mlp", routes))
         return F.linear(self._ln(h, "decoder.final_layernorm"), self.w["output_layer.weight"])

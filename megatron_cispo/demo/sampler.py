@@ -43,13 +43,15 @@ class Batch:
     correct: Tensor           # [n, answer_len] bool
     version: int              # policy version that sampled it
     keep: Optional[KeptSet] = None  # the kept set of every [n, total_len - 1] target (top_k / top_p)
+    routed_experts: Optional[Tensor] = None  # [n, total_len - 1, moe_layers, k] int64: the torch engine's MoE routes
     info: dict = field(default_factory=dict)  # the sampler's own metrics (vLLM: sync and rollout time, rewards)
 
     def rollout_fields(self) -> dict[str, Tensor]:
         """The global batch as step.Rollouts fields; Rollouts.dp_shard splits it over DP."""
         kept = {} if self.keep is None else {"keep_ids": self.keep.ids, "keep_offsets": self.keep.offsets}
+        routes = {} if self.routed_experts is None else {"routed_experts": self.routed_experts}
         return {"tokens": self.tokens, "lengths": self.lengths, "loss_mask": self.loss_mask,
-                "advantages": self.advantages, "rollout_logprobs": self.rollout_logprobs, **kept}
+                "advantages": self.advantages, "rollout_logprobs": self.rollout_logprobs, **kept, **routes}
 
 
 def top_k_top_p(logits: Tensor, k: int, p: float) -> Tensor:
@@ -115,9 +117,13 @@ class Sampler:
         return self.sample(engine, prompts, step)[:2]
 
     @torch.no_grad()
-    def sample(self, engine: Engine, prompts: Tensor, step: int) -> tuple[Tensor, Tensor, Tensor]:
+    def sample(self, engine: Engine, prompts: Tensor, step: int) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
         """Sample answer_len tokens per row -> (tokens [n, total_len], logprobs [n, answer_len] fp32,
-        kept [n, answer_len, V] bool: each draw's kept set, all True without top_k / top_p).
+        kept [n, answer_len, V] bool: each draw's kept set, all True without top_k / top_p, routes
+        [n, total_len - 1, moe_layers, k] int64 or None: the experts of each fed token, MoE torch engine only).
+
+        Routes are kept as a KV-cached engine computes them once: the prompt's from the first forward
+        (the prefill), each sampled token's from the forward that fed it (its decode step).
 
         Row i is global sample index step * n + i; its uniforms come from a generator keyed by it.
         Recomputes the whole prefix per token (no KV cache): sequences are a dozen tokens.
@@ -128,8 +134,14 @@ class Sampler:
         u = torch.stack([torch.rand(a, generator=keyed_generator(self.seed, "sample", step * n + i))
                          for i in range(n)]).to(self.device)
         tokens, logps, kept = prompts.to(self.device), [], []
+        moe = isinstance(engine, TorchGPT) and engine.num_experts is not None
+        routes: list[Tensor] = []  # per forward: [n, new positions, layers, k]
         for j in range(a):
-            logits = engine.logits(tokens)[:, -1].float() / self.cfg.temperature
+            layers: Optional[list] = [] if moe else None
+            logits = engine.logits(tokens, routes=layers) if moe else engine.logits(tokens)
+            if moe:
+                routes.append(torch.stack(layers, 2)[:, (0 if j == 0 else -1):])
+            logits = logits[:, -1].float() / self.cfg.temperature
             logits = top_k_top_p(logits, self.cfg.top_k, self.cfg.top_p)
             logp = torch.log_softmax(logits, -1)
             cdf = logp.exp().cumsum(-1)
@@ -139,14 +151,15 @@ class Sampler:
             logps.append(logp.gather(1, nxt).squeeze(1))
             kept.append(torch.isfinite(logits))
             tokens = torch.cat([tokens, nxt], 1)
-        return tokens.cpu(), torch.stack(logps, 1).cpu(), torch.stack(kept, 1).cpu()
+        routed = torch.cat(routes, 1).cpu() if moe else None
+        return tokens.cpu(), torch.stack(logps, 1).cpu(), torch.stack(kept, 1).cpu(), routed
 
     def rollouts(self, step: int) -> Batch:
         """The global batch of 0-based `step`: prompts x group samples, rewards, group advantages."""
         version = self._held_version(step)
         g, p = self.cfg.group_size, self.cfg.prompts_per_step
         prompts = self.task.prompts(self.seed, step, p).repeat_interleave(g, 0)
-        tokens, answer_lp, kept = self.sample(self.engine(version), prompts, step)
+        tokens, answer_lp, kept, routed = self.sample(self.engine(version), prompts, step)
         lengths = self.task.lengths(tokens)  # a variable-length row ends at its first EOS
         tokens = tokens.masked_fill(torch.arange(tokens.shape[1]) >= lengths[:, None], PAD)
         rewards, correct = self.task.rewards(tokens)
@@ -166,7 +179,8 @@ class Sampler:
             full[:, -a:] = kept
             keep = KeptSet.from_mask(full & mask[..., None])
         return Batch(tokens=tokens, lengths=lengths, loss_mask=mask, rollout_logprobs=rollout_lp,
-                     rewards=rewards, advantages=advantages, correct=correct, version=version, keep=keep)
+                     rewards=rewards, advantages=advantages, correct=correct, version=version, keep=keep,
+                     routed_experts=routed)
 
     def state_dict(self) -> dict:
         return {"versions": self.versions}

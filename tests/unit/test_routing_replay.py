@@ -150,12 +150,37 @@ def replay_worker():
             _step(chunks, opt, _batch(routes))
         except ValueError as e:
             out["errors"][name] = str(e)
+    out["sampler"] = sampler_routes(chunks, opt)
     out["grad"] = router_grad(_model(wrap_ddp=False)[0])  # unwrapped: the gradient lands in .grad
     dense, dopt = _model(num_moe_experts=None)
     try:
         _step(dense, dopt, _batch(rand.clone()))
     except ValueError as e:
         out["errors"]["dense"] = str(e)
+    return out
+
+
+def sampler_routes(chunks, opt):
+    """The demo's torch sampler (fp32) on the model's weights: its routes, and moe/route_mismatch
+    of a policy step given them (routing_replay off: measured only)."""
+    from megatron_cispo.config import LossConfig
+    from megatron_cispo.demo.sampler import Sampler
+    from megatron_cispo.runner.experiment import RolloutConfig
+    from megatron_cispo.runner.weights import gather_full_state
+    from megatron_cispo.step import Rollouts, StepConfig, policy_step
+
+    out = {}
+    for precision in ("fp32", "bf16"):
+        sampler = Sampler(_cfg(), RolloutConfig(precision=precision, prompts_per_step=4, group_size=2), seed=0)
+        sampler.sync(0, gather_full_state(chunks))
+        batch = sampler.rollouts(0)
+        layers: list = []
+        sampler.engine(0).logits(batch.tokens[:, :-1], routes=layers)  # one forward over every input position
+        rollouts = Rollouts(**batch.rollout_fields())
+        metrics = policy_step(chunks, opt, rollouts, LossConfig(), StepConfig(micro_batch_size=8)) \
+            if precision == "fp32" else None
+        out[precision] = {"routes": batch.routed_experts, "one_forward": torch.stack(layers, 2),
+                          "lengths": batch.lengths, "metrics": metrics}
     return out
 
 
@@ -281,3 +306,27 @@ def test_check_routes_by_hand():
     assert moe_layer_numbers(_stub(moe_layer_freq=2)) == [1, 3]
     assert moe_layer_numbers(_stub(moe_layer_freq=[0, 1, 1])) == [2, 3]
     assert "expected [n, s, 2, 2]" in check_routes(ok, _stub(moe_layer_freq=[0, 1, 1]))
+
+
+def test_the_torch_sampler_returns_the_routes_it_used(runs):
+    fp32 = runs["sampler"]["fp32"]
+    n, s = fp32["lengths"].shape[0], fp32["one_forward"].shape[1]
+    assert fp32["routes"].shape == (n, s, LAYERS, TOPK)
+    # prefill + one decode step per token equals one causal forward over the final tokens (fp32)
+    assert torch.equal(fp32["routes"], fp32["one_forward"])
+    # and the trainer's routers agree with it on every real token: mismatch 0, nothing to fall back
+    m = fp32["metrics"]
+    assert m["moe/route_mismatch"] == 0.0 and m["moe/replay_fallbacks"] == 0.0
+    assert runs["sampler"]["bf16"]["routes"].shape == (n, s, LAYERS, TOPK)
+
+
+def test_a_bare_yaml_off_is_routing_replay_off():
+    """PyYAML reads `routing_replay: off` as False; the documented spelling must load."""
+    import yaml
+
+    from megatron_cispo.config import LossConfig, from_dict
+
+    assert from_dict(LossConfig, yaml.safe_load("routing_replay: off")).routing_replay == "off"
+    assert from_dict(LossConfig, {"routing_replay": "rollout"}).routing_replay == "rollout"
+    with pytest.raises(ValueError, match="routing_replay"):
+        from_dict(LossConfig, {"routing_replay": True})
