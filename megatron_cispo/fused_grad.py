@@ -15,10 +15,12 @@ one all-gather of hidden under sequence parallelism; per chunk one MAX and one p
 all-reduce of [rows] fp32 stats; at the end one all-reduce of the [N, h] hidden gradient (a
 reduce-scatter to this rank's [N/tp, h] under sequence parallelism). Backward: none.
 Host syncs: one (plan_targets validates the targets), none per chunk (coef_fn's own aside).
-Memory: one fp32 workspace of (2 + entropy) x chunk_rows x v_local (bf16: 1 + entropy, plus the
-chunk's bf16 logits), gh [N, h] in the compute dtype (summed over TP, then kept in hidden's dtype)
-and gw [v_local, h] (weight's dtype; accumulated in fp32, so a bf16 weight also needs an fp32
-[v_local, h] accumulator during forward), both held from forward to backward.
+Memory: one workspace: the chunk's [chunk_rows, v_local] logits in the compute dtype (overwritten
+by their gradient) plus fp32 scratch for (1 + entropy) blocks of CHUNK_BYTES (the elementwise
+passes run block by block); gh [N, h] in the compute dtype (summed over TP, then kept in hidden's
+dtype) and gw [v_local, h] (weight's dtype) held from forward to backward. gw sums the chunks in
+fp32: a bf16 weight also needs an fp32 [v_local, h] accumulator and a bf16 [v_local, h] part per
+chunk during forward.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .fused_head import _MIN_DEFAULT_CHUNK_ROWS, _chunk_logits, _gather_sequence, _Head, _sum_hidden_grad
+from .fused_head import _MIN_DEFAULT_CHUNK_ROWS, _gather_sequence, _Head, _sum_hidden_grad
 from .vocab_softmax import (CHUNK_BYTES, DTYPES, IGNORE_INDEX, Plan, check_devices, chunk_grad, chunk_stats,
                             empty_stats, grad_rows, plan_targets, reduce_stats, resolve_group, row_chunks,
                             workspace)
@@ -106,6 +108,12 @@ def _coefs(coef_fn: CoefFn, r0: int, r1: int, lp: Tensor, ent: Tensor | None, va
     return res
 
 
+def _scratch(buf: Tensor, rows: int, nv: int, two: bool):
+    """w [rows, nv] and p [rows, nv] (or None) fp32 views of the scratch part of the workspace."""
+    n = rows * nv
+    return buf[:n].view(rows, nv), buf[n:2 * n].view(rows, nv) if two else None
+
+
 def _run(x: Tensor, weight: Tensor, coef_fn: CoefFn, lt: Tensor, owned: Tensor, valid: Tensor, plan: Plan,
          head: _Head, need_h: bool, need_w: bool):
     """lp [N], ent [N] or None, gh [N, h] (compute dtype, this rank's part) or None, gw or None."""
@@ -118,20 +126,24 @@ def _run(x: Tensor, weight: Tensor, coef_fn: CoefFn, lt: Tensor, owned: Tensor, 
     # the weight gradient sums over every chunk: in fp32, whatever the weight's dtype
     acc = None if gw is None else gw[:nv] if gw.dtype == torch.float32 else torch.zeros(
         (nv, weight.shape[1]), dtype=torch.float32, device=x.device)
-    # slots: w (units, then the gradient), p (2^u, with entropy), and fp32 logits, which must
-    # survive chunk_stats for chunk_grad (bf16 logits are their own tensor)
-    slots = 1 + plan.entropy + (cd == torch.float32)
-    ws = workspace(slots * plan.chunk_rows * nv, x.device)
+    # One workspace: the chunk's logits in the compute dtype (the GEMMs want many rows; they are
+    # overwritten by the chunk's d loss / d logits), then fp32 scratch w (and p, with entropy) for
+    # `sub` rows at a time, CHUNK_BYTES each: the elementwise passes stay cache-sized on CPU.
+    sub = max(1, min(plan.chunk_rows, CHUNK_BYTES.get(x.device.type, CHUNK_BYTES["cuda"]) // (4 * max(1, nv))))
+    n_log = -(-plan.chunk_rows * nv * cd.itemsize // 4)  # fp32 elements holding the logits
+    ws = workspace(n_log + (1 + plan.entropy) * sub * nv, x.device)
+    scratch = ws[n_log:]
     for r0, r1 in row_chunks(n_rows, plan.chunk_rows):  # every rank: the same rows, the same chunks
-        rows, n = slice(r0, r1), (r1 - r0) * nv
+        rows = slice(r0, r1)
         m, s, e = empty_stats(r1 - r0, plan.entropy, x.device)
         tx = torch.zeros_like(s)
         if nv:  # a rank holding only vocabulary padding still joins each chunk's reductions
-            w, p = ws[:n].view(r1 - r0, nv), ws[n:2 * n].view(r1 - r0, nv) if plan.entropy else None
-            hc = x[rows].to(cd)  # fp32 logits go to the last slot; bf16 ones are a new tensor
-            logits = _chunk_logits(hc, wc, ws[(slots - 1) * n:slots * n].view(r1 - r0, nv))
+            hc = x[rows].to(cd)
+            logits = torch.mm(hc, wc.t(), out=ws[:n_log].view(cd)[:(r1 - r0) * nv].view(r1 - r0, nv))
             tx.copy_(logits.gather(1, lt[rows, None]).squeeze(1))
-            chunk_stats(w, p, logits, m, s, e, t)
+            for a0, a1 in row_chunks(r1 - r0, sub):
+                w, p = _scratch(scratch, a1 - a0, nv, plan.entropy)
+                chunk_stats(w, p, logits[a0:a1], m[a0:a1], s[a0:a1], None if e is None else e[a0:a1], t)
         lp_c, ent_c, s, e_mean, _ = reduce_stats(m, s, e, tx, owned[rows], valid[rows], plan)
         lp[rows] = lp_c
         if ent is not None:
@@ -140,13 +152,19 @@ def _run(x: Tensor, weight: Tensor, coef_fn: CoefFn, lt: Tensor, owned: Tensor, 
         if not nv or not (need_h or need_w):
             continue
         coef, _ = grad_rows(g_lp, g_ent, (m, s, e_mean, lt[rows], owned[rows], valid[rows]), t)
-        g = chunk_grad(w, p if coef.a is not None else None, logits, coef, t).to(cd)  # d loss / d logits
+        for a0, a1 in row_chunks(r1 - r0, sub):  # logits[a0:a1] <- d loss / d logits, in cd
+            w, p = _scratch(scratch, a1 - a0, nv, coef.a is not None)
+            la = logits[a0:a1]
+            if cd == torch.float32:  # in place: chunk_grad reads and writes fp32 logits
+                chunk_grad(la, w if p is not None else None, la, coef.take(slice(a0, a1)), t)
+            else:
+                la.copy_(chunk_grad(w, p, la, coef.take(slice(a0, a1)), t))
         if need_h:
-            torch.mm(g, wc, out=gh[rows])
+            torch.mm(logits, wc, out=gh[rows])
         if acc is not None and cd == torch.float32:
-            acc.addmm_(g.t(), hc)
+            acc.addmm_(logits.t(), hc)
         elif acc is not None:  # a cd matmul rounds each chunk's part once; the sum is fp32
-            acc.add_(g.t() @ hc)
+            acc.add_(logits.t() @ hc)
     if need_h and not nv:
         gh.zero_()
     if gw is not None and acc.data_ptr() != gw.data_ptr():

@@ -240,3 +240,14 @@ def test_default_chunk_is_sized_from_the_shard_not_its_valid_columns(monkeypatch
     calls = []
     fused_grad_logprobs(hidden, weight, t, _coef_fn(adv, anchor, False, calls), mask=mask, vocab_size=V // 2)
     assert [c[:2] for c in calls] == [(r, r + 3) for r in range(0, 12, 3)]
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+@pytest.mark.parametrize("case", list(CASES))
+def test_elementwise_passes_in_sub_blocks_of_a_chunk_give_the_same_result(monkeypatch, case, entropy):
+    """A chunk's GEMM rows are split into cache-sized blocks for the softmax and gradient passes."""
+    from megatron_cispo import fused_grad
+
+    monkeypatch.setitem(fused_grad.CHUNK_BYTES, "cpu", 4 * V * 2)  # 2 rows per block: blocks of 2, 2, 2, 1
+    ref, ours, _ = _both(9, 2, case, entropy, vocab=V - PAD, temperature=0.7, chunk_rows=7)
+    _assert_close(ref, ours, case)
