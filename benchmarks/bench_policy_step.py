@@ -3,12 +3,15 @@
     python benchmarks/bench_policy_step.py                  # GPT 4x256, vocab 8192, 16 x 128 tokens, TP=1
     python benchmarks/bench_policy_step.py --quick          # a small model, a smoke run (~20 s)
     python benchmarks/bench_policy_step.py --tp 2           # 2 gloo ranks of 1 thread each
+    python benchmarks/bench_policy_step.py --vocab 65536    # the same model with a head that weighs more
+    torchrun is not needed: the script spawns its own gloo ranks (megatron_cispo.testing.spawn).
 
 Three steps on the same megatron GPTModel, batch and microbatching, each one optimizer step
 (Adam) through megatron-core's forward-backward schedule, timed as wall time of the whole call:
   A  policy_step, cispo anchor 'old', StepConfig(old_logprob_pass="always"): an extra
      forward-only pass computes pi_old first, as any trainer without the skip logic does;
-  B  policy_step, cispo anchor 'rollout': pi_old is unused and the pass is skipped;
+  B  policy_step, cispo anchor 'rollout': pi_old is unused and the pass is skipped; B runs with
+     each loss.head (logits, fused, fused_grad) on the same model and batch, for tokens/s;
   C  a plain cross-entropy step: forward_step returns megatron-core's
      vocab_parallel_cross_entropy summed over the loss mask with its token count (the
      calculate_per_token_loss contract, as pretrain_gpt does), same schedule and optimizer.
@@ -35,6 +38,7 @@ import torch
 # Run from a checkout without `pip install -e .`: the package is the script's parent's sibling.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+HEADS = ("logits", "fused", "fused_grad")  # loss.head; B is the logits head
 TARGETS = {"saving": 0.25, "overhead": 0.05}  # issue 5: skip saves >= 25%; plugin costs <= 5%
 FULL = dict(vocab=8192, hidden=256, layers=4, heads=8, seq=128, batch=16, micro=4, warmup=2, reps=12)
 QUICK = dict(vocab=1024, hidden=64, layers=2, heads=4, seq=64, batch=8, micro=2, warmup=1, reps=3)
@@ -107,9 +111,12 @@ def worker(cfg: dict, tp: int, threads: int) -> dict:
     rollout = compute_logprobs(chunks, probe, StepConfig(micro_batch_size=cfg["micro"])) + noise
     batch = Rollouts(tokens=tokens, loss_mask=loss_mask, advantages=adv, rollout_logprobs=rollout)
     step = StepConfig(micro_batch_size=cfg["micro"], old_logprob_pass="always")
+    rollout_anchor = {"cispo": {"anchor": "rollout"}}
     cases = {
         "A": partial(policy_step, chunks, opt, batch, from_dict(LossConfig, {"cispo": {"anchor": "old"}}), step),
-        "B": partial(policy_step, chunks, opt, batch, from_dict(LossConfig, {"cispo": {"anchor": "rollout"}}), step),
+        "B": partial(policy_step, chunks, opt, batch, from_dict(LossConfig, rollout_anchor), step),
+        **{f"B_{head}": partial(policy_step, chunks, opt, batch, from_dict(LossConfig, {**rollout_anchor, "head": head}),
+                                step) for head in HEADS[1:]},
         "C": partial(_ce_step, chunks, opt, batch, cfg["micro"]),
         "pass": partial(compute_logprobs, chunks, batch, StepConfig(micro_batch_size=cfg["micro"])),  # A's extra work
     }
@@ -183,6 +190,7 @@ def run(cfg: dict, tp: int, threads: int) -> str:
                       min(per_rep[y]) / min(per_rep[x])) for x, y in (("A", "B"), ("C", "B"))}
     saving, overhead = 1 - ratio["A", "B"][0], ratio["C", "B"][0] - 1
     head_extra = (med["head_plugin"] - med["head_ce"]) / med["C"]
+    tokens = cfg["batch"] * cfg["seq"]
     model = (f"GPTModel {cfg['layers']} layers x hidden {cfg['hidden']}, {cfg['heads']} heads, vocab "
              f"{cfg['vocab']}, fp32, megatron-core local spec; batch {cfg['batch']} x {cfg['seq']} tokens, micro "
              f"batch {cfg['micro']} ({cfg['batch'] // cfg['micro']} microbatches); Adam; TP={tp} "
@@ -216,6 +224,13 @@ def run(cfg: dict, tp: int, threads: int) -> str:
         f"{'met' if overhead <= TARGETS['overhead'] else 'missed'} |",
         f"| (plugin head - CE head) / C: the loss head's share of that overhead | {head_extra:+.1%} (of medians) "
         "| - | - |",
+        "",
+        "| B with `loss.head` | median (min - max) | tokens/s (batch x seq / median) | / logits head "
+        "(median of per-repetition ratios) |",
+        "|---|---|---|---|",
+        *(f"| `{head}` | {span[key]} | {tokens / med[key]:,.0f} | "
+          f"{statistics.median(b / a for a, b in zip(per_rep['B'], per_rep[key])):.3f} |"
+          for head, key in zip(HEADS, ("B", *(f"B_{h}" for h in HEADS[1:])))),
     ]
     return "\n".join([
         f"Command: `python benchmarks/bench_policy_step.py{' ' + argv if argv else ''}`", "",
@@ -228,11 +243,14 @@ def main(argv=None) -> None:
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (gloo processes)")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (override)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads per rank (default 1)")
+    ap.add_argument("--vocab", type=int, default=None, help="vocabulary size (override): a larger one weighs the head")
     args = ap.parse_args(argv)
     threads = args.threads or 1
     cfg = dict(QUICK if args.quick else FULL)
     if args.reps is not None:
         cfg["reps"] = args.reps
+    if args.vocab is not None:
+        cfg["vocab"] = args.vocab
     print(run(cfg, args.tp, threads), flush=True)
 
 
