@@ -43,7 +43,7 @@ class Batch:
     correct: Tensor           # [n, answer_len] bool
     version: int              # policy version that sampled it
     keep: Optional[KeptSet] = None  # the kept set of every [n, total_len - 1] target (top_k / top_p)
-    routed_experts: Optional[Tensor] = None  # [n, total_len - 1, moe_layers, k] int64: the torch engine's MoE routes
+    routed_experts: Optional[Tensor] = None  # [n, total_len - 1, moe_layers, k] int64: an MoE engine's routes
     info: dict = field(default_factory=dict)  # the sampler's own metrics (vLLM: sync and rollout time, rewards)
 
     def rollout_fields(self) -> dict[str, Tensor]:
@@ -120,7 +120,7 @@ class Sampler:
     def sample(self, engine: Engine, prompts: Tensor, step: int) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
         """Sample answer_len tokens per row -> (tokens [n, total_len], logprobs [n, answer_len] fp32,
         kept [n, answer_len, V] bool: each draw's kept set, all True without top_k / top_p, routes
-        [n, total_len - 1, moe_layers, k] int64 or None: the experts of each fed token, MoE torch engine only).
+        [n, total_len - 1, moe_layers, k] int64 or None: the experts of each fed token, MoE models only).
 
         Routes are kept as a KV-cached engine computes them once: the prompt's from the first forward
         (the prefill), each sampled token's from the forward that fed it (its decode step).
@@ -134,7 +134,7 @@ class Sampler:
         u = torch.stack([torch.rand(a, generator=keyed_generator(self.seed, "sample", step * n + i))
                          for i in range(n)]).to(self.device)
         tokens, logps, kept = prompts.to(self.device), [], []
-        moe = isinstance(engine, TorchGPT) and engine.num_experts is not None
+        moe = engine.num_experts is not None  # both engines: TorchGPT and HFEngine
         routes: list[Tensor] = []  # per forward: [n, new positions, layers, k]
         for j in range(a):
             layers: Optional[list] = [] if moe else None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -58,7 +59,16 @@ class HFEngine:
             model = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=dtype)
         self.model = model.to(device).eval().requires_grad_(False)
 
+    @property
+    def num_experts(self) -> Optional[int]:
+        return self.arch.num_experts
+
     @torch.no_grad()
-    def logits(self, tokens: Tensor) -> Tensor:
-        """tokens: [b, s] int64 -> logits [b, s, vocab_size] in the model dtype."""
-        return self.model(input_ids=tokens, use_cache=False).logits
+    def logits(self, tokens: Tensor, routes: Optional[list] = None) -> Tensor:
+        """tokens: [b, s] int64 -> logits [b, s, vocab_size] in the model dtype. routes (MoE): a list
+        that gets each MoE layer's experts [b, s, k] int64, the top-k of its router logits."""
+        if routes is None:
+            return self.model(input_ids=tokens, use_cache=False).logits
+        out = self.model(input_ids=tokens, use_cache=False, output_router_logits=True)
+        routes += [r.view(*tokens.shape, -1).topk(self.arch.moe_topk, -1).indices for r in out.router_logits]
+        return out.logits

@@ -330,3 +330,34 @@ def test_a_bare_yaml_off_is_routing_replay_off():
     assert from_dict(LossConfig, {"routing_replay": "rollout"}).routing_replay == "rollout"
     with pytest.raises(ValueError, match="routing_replay"):
         from_dict(LossConfig, {"routing_replay": True})
+
+
+def hf_worker(path):
+    """The hf engine (transformers qwen3_moe) as sampler of a megatron model loaded from the same
+    checkpoint: its routes, and the trainer's moe/route_mismatch against them (fp32, replay off)."""
+    from megatron_cispo.config import LossConfig
+    from megatron_cispo.demo.sampler import Sampler
+    from megatron_cispo.runner import distributed
+    from megatron_cispo.runner.experiment import RolloutConfig
+    from megatron_cispo.runner.model import ModelConfig, build_model, build_optimizer
+    from megatron_cispo.runner.weights import gather_full_state
+    from megatron_cispo.step import Rollouts, StepConfig, policy_step
+
+    distributed.init_distributed()
+    mcfg = ModelConfig(hf_path=path)
+    chunks = build_model(mcfg, tp=1, pp=1, seed=3)
+    sampler = Sampler(mcfg, RolloutConfig(engine="hf", precision="fp32", prompts_per_step=4, group_size=2,
+                                          digits=3, staleness=0), seed=0)
+    sampler.sync(0, gather_full_state(chunks))
+    batch = sampler.rollouts(0)
+    metrics = policy_step(chunks, build_optimizer(chunks, lr=0.0, optimizer="sgd"), Rollouts(**batch.rollout_fields()),
+                          LossConfig(), StepConfig(micro_batch_size=8))
+    return {"routes": batch.routed_experts, "metrics": metrics, "top_k": mcfg.moe_router_topk}
+
+
+def test_the_hf_sampler_returns_routes_the_trainer_agrees_with(tmp_path):
+    from megatron_cispo.tools.make_tiny_hf import make_tiny_hf
+
+    res = spawn(hf_worker, 1, (str(make_tiny_hf("qwen3_moe", tmp_path / "q", seed=1)),), timeout_s=300)[0]
+    assert res["routes"].dim() == 4 and res["routes"].shape[-1] == res["top_k"]
+    assert res["metrics"]["moe/route_mismatch"] == 0.0
