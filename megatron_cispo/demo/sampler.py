@@ -134,7 +134,7 @@ class Sampler:
         u = torch.stack([torch.rand(a, generator=keyed_generator(self.seed, "sample", step * n + i))
                          for i in range(n)]).to(self.device)
         tokens, logps, kept = prompts.to(self.device), [], []
-        moe = engine.num_experts is not None  # both engines: TorchGPT and HFEngine
+        moe = getattr(engine, "num_experts", None) is not None  # TorchGPT and HFEngine of an MoE model
         routes: list[Tensor] = []  # per forward: [n, new positions, layers, k]
         for j in range(a):
             layers: Optional[list] = [] if moe else None
