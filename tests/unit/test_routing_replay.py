@@ -5,7 +5,8 @@
 2. Routes recorded from the model itself: the trainer routes exactly as recorded, mismatch 0.
 3. Random valid routes with some -1 tokens: the trainer routes the given experts where a token has
    a route and its own where not; moe/route_mismatch and the fallbacks counted exactly; with an
-   always-run pi_old pass the old-anchored ratio is 1 (the pi_old pass replays too).
+   always-run pi_old pass the old-anchored ratio is 1 (the pi_old pass replays too), and the KL to
+   an identical reference model is 0 (the reference pass replays too).
 4. The router weight's gradient under replay equals a hand reference that gathers the same experts
    from the dense logits, and is nonzero.
 5. Activation recompute of the whole layer in the backward replays the same routes (FIFO).
@@ -86,7 +87,7 @@ def _record(chunks, batch):
     return torch.stack(seen, 2)
 
 
-def _step(chunks, opt, batch, mode="rollout", old_pass="auto", recompute=False):
+def _step(chunks, opt, batch, mode="rollout", old_pass="auto", recompute=False, ref=None):
     from megatron_cispo.config import LossConfig, from_dict
     from megatron_cispo.step import StepConfig, policy_step
 
@@ -97,8 +98,9 @@ def _step(chunks, opt, batch, mode="rollout", old_pass="auto", recompute=False):
     if recompute:
         tcfg.recompute_granularity, tcfg.recompute_method, tcfg.recompute_num_layers = "full", "uniform", 1
     try:
-        metrics = policy_step(chunks, opt, batch, from_dict(LossConfig, {"routing_replay": mode}),
-                              StepConfig(micro_batch_size=2, old_logprob_pass=old_pass))
+        loss = {"routing_replay": mode, **({"kl": {"coef": 0.1}} if ref is not None else {})}
+        metrics = policy_step(chunks, opt, batch, from_dict(LossConfig, loss),
+                              StepConfig(micro_batch_size=2, old_logprob_pass=old_pass), ref_chunks=ref)
     finally:
         tcfg.recompute_granularity = None
         for h in hooks:
@@ -127,7 +129,7 @@ def replay_worker():
     chunks, opt = _model()
     out["measure_random"] = _step(chunks, opt, _batch(rand.clone()), mode="off")
     chunks, opt = _model()
-    out["replay_random"] = _step(chunks, opt, _batch(rand.clone()), old_pass="always")
+    out["replay_random"] = _step(chunks, opt, _batch(rand.clone()), old_pass="always", ref=_model()[0])
     out["state_random"] = gather_full_state(chunks)
     chunks, opt = _model()  # the same, but the forward-only pi_old pass not replaying: the ratio moves
     from megatron_cispo.step import routing_replay
@@ -135,11 +137,12 @@ def replay_worker():
     routing_replay.LayerReplay.set = lambda self, r, v, *, training: saved(
         self, r if training else torch.full_like(r, -1), v, training=training)  # eval passes: all fall back
     try:
-        out["old_unreplayed"] = _step(chunks, opt, _batch(rand.clone()), old_pass="always")
+        out["old_unreplayed"] = _step(chunks, opt, _batch(rand.clone()), old_pass="always", ref=_model()[0])
     finally:
         routing_replay.LayerReplay.set = saved
     chunks, opt = _model()
-    out["recompute_random"] = _step(chunks, opt, _batch(rand.clone()), old_pass="always", recompute=True)
+    out["recompute_random"] = _step(chunks, opt, _batch(rand.clone()), old_pass="always", recompute=True,
+                                    ref=_model()[0])
     out["state_recompute"] = gather_full_state(chunks)
     out["errors"] = {}
     for name, routes in (("range", torch.where(rand == 3, 4, rand)), ("dup", rand.clone()),
@@ -264,6 +267,11 @@ def test_the_pi_old_pass_replays_so_the_old_anchored_ratio_is_one(runs):
     assert m["cispo/ratio_min"] == pytest.approx(1.0, abs=1e-6) and m["cispo/ratio_max"] == pytest.approx(1.0, abs=1e-6)
     m = runs["old_unreplayed"][0]  # the check can fail: a pi_old pass routing on its own moves the ratio
     assert m["cispo/ratio_max"] - m["cispo/ratio_min"] > 1e-3
+
+
+def test_the_reference_pass_replays_so_an_identical_reference_has_zero_kl(runs):
+    assert abs(runs["replay_random"][0]["policy/kl"]) < 1e-9  # the reference is the initial policy
+    assert runs["old_unreplayed"][0]["policy/kl"] > 1e-4  # a reference routing on its own drifts
 
 
 def test_activation_recompute_replays_the_same_routes_in_the_backward(runs):
