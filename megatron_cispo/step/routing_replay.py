@@ -152,7 +152,7 @@ def local_routes(routes: Tensor, padding_mask: Optional[Tensor], config) -> tupl
     if config.sequence_parallel and tp > 1:
         part, rank = routes.shape[0] // tp, mpu.get_tensor_model_parallel_rank()
         routes, valid = routes[rank * part:(rank + 1) * part], valid[rank * part:(rank + 1) * part]
-    return routes.reshape(-1, *routes.shape[2:]), valid.reshape(-1)
+    return routes.reshape(-1, *routes.shape[2:]).long(), valid.reshape(-1)  # gather takes int64
 
 
 @contextlib.contextmanager
