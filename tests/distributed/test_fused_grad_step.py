@@ -3,8 +3,9 @@
 The reference is the logits head, single process, padded rows. Every launch runs the same cases
 with the fused_grad head (gradient computed in the forward, losses/token_grad.py) and must give
 the same loss, metrics and post-step parameters: padded and packed on one process, TP 2 with
-sequence parallelism, PP 2, CP 2 (packed THD bins) and DP 2. One case (sequence TIS with pi_old
-from the training forward) must fall back to the fused head, and head/fused_grad_fallback says so.
+sequence parallelism (packed) and without (padded), PP 2, CP 2 (packed THD bins) and DP 2. One
+case (sequence TIS with pi_old from the training forward) must fall back to the fused head, and
+head/fused_grad_fallback says so.
 A GPTModel with tied embeddings (TP 2, one microbatch normalised on its own) gets the same loss,
 metrics and gradients from both heads.
 """
@@ -47,9 +48,9 @@ def reference():
 
 
 @pytest.mark.parametrize("layout, packed", [
-    ({}, False), ({}, True), ({"tp": 2, "sp": True}, True), ({"pp": 2}, True), ({"cp": 2}, True),
-    ({"dp": 2}, False),
-], ids=["one_padded", "one_packed", "tp2_sp_packed", "pp2_packed", "cp2_packed", "dp2_padded"])
+    ({}, False), ({}, True), ({"tp": 2, "sp": True}, True), ({"tp": 2}, False), ({"pp": 2}, True),
+    ({"cp": 2}, True), ({"dp": 2}, False),
+], ids=["one_padded", "one_packed", "tp2_sp_packed", "tp2_padded", "pp2_packed", "cp2_packed", "dp2_padded"])
 def test_fused_grad_step_matches_the_logits_head(reference, layout, packed):
     results = run(layout, packed, FUSED_GRAD)
     for res in results:
