@@ -19,8 +19,8 @@ Memory: one workspace: the chunk's [chunk_rows, v_local] logits in the compute d
 by their gradient) plus fp32 scratch for (1 + entropy) blocks of CHUNK_BYTES (the elementwise
 passes run block by block); gh [N, h] in the compute dtype (summed over TP, then kept in hidden's
 dtype) and gw [v_local, h] (weight's dtype) held from forward to backward. gw sums the chunks in
-fp32: a bf16 weight also needs an fp32 [v_local, h] accumulator and a bf16 [v_local, h] part per
-chunk during forward.
+fp32: a bf16 weight also needs an fp32 [v_local, h] accumulator during forward (each chunk's part
+is added CHUNK_BYTES of vocabulary rows at a time).
 """
 from __future__ import annotations
 
@@ -132,6 +132,7 @@ def _run(x: Tensor, weight: Tensor, coef_fn: CoefFn, lt: Tensor, owned: Tensor, 
     sub = max(1, min(plan.chunk_rows, CHUNK_BYTES.get(x.device.type, CHUNK_BYTES["cuda"]) // (4 * max(1, nv))))
     n_log = -(-plan.chunk_rows * nv * cd.itemsize // 4)  # fp32 elements holding the logits
     ws = workspace(n_log + (1 + plan.entropy) * sub * nv, x.device)
+    v_rows = max(1, CHUNK_BYTES.get(x.device.type, CHUNK_BYTES["cuda"]) // (4 * x.shape[1]))
     scratch = ws[n_log:]
     for r0, r1 in row_chunks(n_rows, plan.chunk_rows):  # every rank: the same rows, the same chunks
         rows = slice(r0, r1)
@@ -163,8 +164,9 @@ def _run(x: Tensor, weight: Tensor, coef_fn: CoefFn, lt: Tensor, owned: Tensor, 
             torch.mm(logits, wc, out=gh[rows])
         if acc is not None and cd == torch.float32:
             acc.addmm_(logits.t(), hc)
-        elif acc is not None:  # a cd matmul rounds each chunk's part once; the sum is fp32
-            acc.add_(logits.t() @ hc)
+        elif acc is not None:  # a cd matmul rounds each chunk's part once; the sum is fp32. By
+            for v0, v1 in row_chunks(nv, v_rows):  # vocabulary slices: no [v_local, h] temporaries
+                acc[v0:v1].add_(logits[:, v0:v1].t() @ hc)
     if need_h and not nv:
         gh.zero_()
     if gw is not None and gw.dtype != torch.float32:  # else acc is gw[:nv] itself
