@@ -92,8 +92,9 @@ def _fields(batch: Rollouts, weights: tuple[Tensor, Tensor],
     for name in ("rollout_logprobs", "old_logprobs", "ref_logprobs"):
         if getattr(batch, name) is not None:
             f[name] = getattr(batch, name).float()
-    if batch.routed_experts is not None:  # [n, s, L, k]: cut along [n, s] like the rest
-        f["routed_experts"] = batch.routed_experts.long()
+    if batch.routed_experts is not None:  # [n, s, L, k]: cut along [n, s] like the rest; no route on padding
+        past = torch.arange(s, device=batch.tokens.device)[None, :] >= batch.target_lengths()[:, None]
+        f["routed_experts"] = batch.routed_experts.long().masked_fill(past[..., None, None], -1)
     return f
 
 

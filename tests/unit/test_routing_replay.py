@@ -369,3 +369,36 @@ def test_the_hf_sampler_returns_routes_the_trainer_agrees_with(tmp_path):
     res = spawn(hf_worker, 1, (str(make_tiny_hf("qwen3_moe", tmp_path / "q", seed=1)),), timeout_s=300)[0]
     assert res["routes"].dim() == 4 and res["routes"].shape[-1] == res["top_k"]
     assert res["metrics"]["moe/route_mismatch"] == 0.0
+
+
+def test_routes_are_checked_for_layout_and_travel_with_their_positions_through_packing_and_cp():
+    from megatron_cispo.step import Rollouts
+    from megatron_cispo.step.packing import Layout, packed_microbatches, padded_microbatches
+
+    g = torch.Generator().manual_seed(1)
+    n, s = 4, 9
+    tokens = torch.randint(0, V, (n, s + 1), generator=g)
+    lengths = torch.tensor([10, 5, 8, 3])
+    routes = torch.rand(n, s, LAYERS, EXPERTS, generator=g).argsort(-1)[..., :TOPK]
+    kw = dict(tokens=tokens, loss_mask=torch.ones(n, s, dtype=torch.bool) & (torch.arange(s) < lengths[:, None] - 1),
+              advantages=torch.ones(n), lengths=lengths)
+    with pytest.raises(ValueError, match=r"routed_experts must be an int \[n, s, moe_layers, top_k\] tensor with "
+                                         r"\[n, s\] = \(4, 9\).*got torch.int64 \(4, 10, 2, 2\)"):
+        Rollouts(**kw, routed_experts=torch.zeros(n, s + 1, LAYERS, TOPK, dtype=torch.long))
+    with pytest.raises(ValueError, match="routed_experts must be an int"):
+        Rollouts(**kw, routed_experts=routes.float())
+    batch = Rollouts(**kw, routed_experts=routes)
+    assert torch.equal(batch.rows(torch.tensor([2, 0])).routed_experts, routes[[2, 0]])
+    weights = (torch.zeros(n, s), torch.zeros(n, s))
+    flat = routes.reshape(n * s, LAYERS, TOPK)
+    mbs = [mb for r in range(2) for mb in packed_microbatches(batch, weights, [[0, 1], [2, 3]],
+                                                              layout=Layout(cp=2, cp_rank=r, pad_multiple=4))]
+    mbs += padded_microbatches(batch, weights, micro_batch_size=2, layout=Layout(pad_multiple=4))
+    pads = 0
+    for mb in mbs:
+        idx, got = mb.gather_index.reshape(-1), mb.routed_experts.reshape(-1, LAYERS, TOPK)
+        real = idx >= 0
+        assert torch.equal(got[real], flat[idx[real]])
+        assert (got[~real] == -1).all()  # padding: no route (the router's own)
+        pads += int((~real).sum())
+    assert pads > 0
