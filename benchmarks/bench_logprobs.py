@@ -199,9 +199,10 @@ History of the TP=2 bf16 "caller keeps logits" figure. Issue 4's run (78889e1, l
 gave 0.57x, and this table showed that run until 07bfbd0; 802a633 measured 0.36x / 0.47x (load
 8-12); issue 22's "0.27x when issue 4 landed" is in no record we found. Run in the same processes,
 interleaved, the token_logprobs of 78889e1, c2eb517 (vocab_softmax.py), 21a6bce (replay) and
-eb23fc1 took the same time (caller keeps: 0.34x-0.40x, load 0.5-2.7), so no commit slowed it: the
-figure moves with the load because its time over "ours" is the page faults of a fresh 297 MiB
-gradient buffer. faf6dfd asks for huge pages for it: 0.24x against 0.38x before (median of
+eb23fc1 took the same time within noise (caller keeps: 0.34x-0.40x at load 0.5-2.7; 78889e1 /
+eb23fc1 0.31x / 0.36x and 0.50x / 0.38x in two later runs in shuffled order), so no commit slowed
+it: the figure moves with the load because its time over "ours" is the page faults of a fresh
+297 MiB gradient buffer. faf6dfd asks for huge pages for it: 0.24x against 0.38x before (median of
 per-rep ratios, 21 interleaved reps, load 7-9); single runs at load 5-21 gave 0.19x-0.40x.
 
 What bounds these figures (CPU):
