@@ -203,7 +203,7 @@ eb23fc1 took the same time within noise (caller keeps: 0.34x-0.40x at load 0.5-2
 eb23fc1 0.31x / 0.36x and 0.50x / 0.38x in two later runs in shuffled order), so no commit slowed
 it: the figure moves with the load because its time over "ours" is the page faults of a fresh
 297 MiB gradient buffer. faf6dfd asks for huge pages for it: 0.24x against 0.38x before (median of
-per-rep ratios, 21 interleaved reps, load 7-9); single runs at load 5-21 gave 0.19x-0.40x.
+per-rep ratios, 21 interleaved reps, load 7-9); single 5-15-rep runs at load 5-26 gave 0.19x-0.60x.
 
 What bounds these figures (CPU):
 - Memory: ours keeps O(tokens) statistics plus one fp32 workspace of `vocab_softmax.CHUNK_BYTES` (4 MiB on
@@ -223,8 +223,8 @@ What bounds these figures (CPU):
   (a GPU caching allocator does not). With 4 KiB pages that was 110-160 ms per 297 MiB on an idle
   box, about half of backward, and it grows with load. `vocab_softmax.grad_buffer` asks for
   transparent huge pages for it (MADV_HUGEPAGE; the kernel's THP mode must be `madvise` or
-  `always`), which faults it in about 20 ms. This box is a VM whose balloon reports free memory
-  to the host, so the first reps after start, and some later ones, still stall on host faults.
+  `always`), which faults it in about 20 ms. Some reps still take 0.4-2 s: this box is a VM whose
+  balloon reports free memory to the host (virtio PAGE_REPORTING), probably so host faults.
 - Threads: run with one thread per rank. This 2-core machine is shared with other jobs (load
   average around 10 during these runs); with 2 intra-op threads, each of ours' ~15 small
   parallel regions per chunk stalls whenever one of its threads is descheduled, which made ours
