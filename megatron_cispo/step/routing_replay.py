@@ -74,9 +74,10 @@ class LayerReplay:
         self.fifo: list[tuple[Tensor, Tensor]] = []  # a training forward's routes, for its backward recompute
         self.counts = torch.zeros(3, dtype=torch.float64, device=device)
 
-    def set(self, routes: Tensor, valid: Tensor, *, training: bool) -> None:
+    def set(self, routes: Tensor, valid: Tensor, *, training: bool, recompute: bool = True) -> None:
+        """recompute: whether megatron reruns this router in the backward (then the routes wait for it)."""
         self.routes, self.valid, self.counting = routes, valid, training
-        if training and torch.is_grad_enabled():
+        if recompute and training and torch.is_grad_enabled():
             self.fifo.append((routes, valid))
 
     def clear(self) -> None:
@@ -139,6 +140,13 @@ def install(chunk, config) -> list[LayerReplay]:
     return out
 
 
+def recomputes_router(config) -> bool:
+    """Whether megatron reruns the MoE router in the backward: full-layer recompute, or selective
+    with 'moe' (moe_layer.py; 'moe_act' reruns the expert activation only)."""
+    granularity = getattr(config, "recompute_granularity", None)
+    return granularity == "full" or (granularity == "selective" and "moe" in (config.recompute_modules or ()))
+
+
 def local_routes(routes: Tensor, padding_mask: Optional[Tensor], config) -> tuple[Tensor, Tensor]:
     """A microbatch's routes [b, s, L, k] and padding [b, s] (True = pad) as the router sees its
     tokens: [s_local * b, L, k] and valid [s_local * b], s-major, this TP rank's sequence slice
@@ -167,8 +175,9 @@ def replay_routes(model, mb) -> Iterator[None]:
     config = get_model_config(model)
     layers = install(model, config)
     routes, valid = local_routes(mb.routed_experts, mb.padding_mask, config)
+    recompute = recomputes_router(config)
     for layer in layers:
-        layer.set(routes[:, layer.moe_index], valid, training=model.training)
+        layer.set(routes[:, layer.moe_index], valid, training=model.training, recompute=recompute)
     try:
         yield
     finally:

@@ -134,8 +134,8 @@ def replay_worker():
     chunks, opt = _model()  # the same, but the forward-only pi_old pass not replaying: the ratio moves
     from megatron_cispo.step import routing_replay
     saved = routing_replay.LayerReplay.set
-    routing_replay.LayerReplay.set = lambda self, r, v, *, training: saved(
-        self, r if training else torch.full_like(r, -1), v, training=training)  # eval passes: all fall back
+    routing_replay.LayerReplay.set = lambda self, r, v, *, training, **kw: saved(
+        self, r if training else torch.full_like(r, -1), v, training=training, **kw)  # eval passes: all fall back
     try:
         out["old_unreplayed"] = _step(chunks, opt, _batch(rand.clone()), old_pass="always", ref=_model()[0])
     finally:
