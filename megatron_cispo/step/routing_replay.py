@@ -74,7 +74,7 @@ class LayerReplay:
         self.fifo: list[tuple[Tensor, Tensor]] = []  # a training forward's routes, for its backward recompute
         self.counts = torch.zeros(3, dtype=torch.float64, device=device)
 
-    def set(self, routes: Tensor, valid: Tensor, *, training: bool, recompute: bool = True) -> None:
+    def set(self, routes: Tensor, valid: Tensor, *, training: bool, recompute: bool = False) -> None:
         """recompute: whether megatron reruns this router in the backward (then the routes wait for it)."""
         self.routes, self.valid, self.counting = routes, valid, training
         if recompute and training and torch.is_grad_enabled():
