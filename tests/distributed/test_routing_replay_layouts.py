@@ -1,4 +1,4 @@
-"""MoE routing replay (loss.routing_replay: rollout) in every layout: ep2 (dp2), tp2+SP, pp2, cp2.
+"""MoE routing replay (loss.routing_replay: rollout) in every layout: dp2, ep2 (dp2), tp2+SP, pp2, cp2.
 
 A 2-layer MoE GPT (moe_helpers: 4 experts, top-2, aux and z-loss on). One process records the
 model's own routes of the global batch (an eval forward over whole rows); then, per layout:
@@ -18,7 +18,7 @@ from moe_helpers import AUX_COEFF, BUDGET, EXPERTS, LENGTHS, S, TOL, TOPK, Z_COE
 from megatron_cispo.testing import spawn
 
 LAYERS = 2
-LAYOUTS = {"tp2_sp": {"tp": 2, "sp": True}, "pp2": {"pp": 2}, "cp2": {"cp": 2}, "dp2_ep2": {"ep": 2}}
+LAYOUTS = {"tp2_sp": {"tp": 2, "sp": True}, "pp2": {"pp": 2}, "cp2": {"cp": 2}, "dp2": {}, "dp2_ep2": {"ep": 2}}
 CHECKED = ("policy/loss", "cispo/ratio_mean", "moe/aux_loss", "moe/z_loss", "moe/expert_tokens_max",
            "moe/route_mismatch", "moe/route_mismatch_l0", "moe/route_mismatch_l1", "moe/replay_fallbacks")
 
