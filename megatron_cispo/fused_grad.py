@@ -12,8 +12,9 @@ coef_fn (the caller's d loss / d lp and d loss / d ent of those rows), d loss / 
 against fused_token_logprobs's four; the chunk is then dropped.
 Collectives over the TP group (none for one process), the same number and order on every rank:
 one all-gather of hidden under sequence parallelism; per chunk one MAX and one packed SUM
-all-reduce of [rows] fp32 stats; at the end one all-reduce of the [N, h] hidden gradient (a
-reduce-scatter to this rank's [N/tp, h] under sequence parallelism). Backward: none.
+all-reduce of [rows] fp32 stats; at the end, when hidden needs a gradient, one all-reduce of the
+[N, h] hidden gradient (a reduce-scatter to this rank's [N/tp, h] under sequence parallelism).
+Backward: none. Measured in docs/benchmarks.md (bench_head, fused_grad).
 Host syncs: one (plan_targets validates the targets), none per chunk (coef_fn's own aside).
 Memory: one workspace: the chunk's [chunk_rows, v_local] logits in the compute dtype (overwritten
 by their gradient) plus fp32 scratch for (1 + entropy) blocks of CHUNK_BYTES (the elementwise
