@@ -30,8 +30,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .fused_head import _MIN_DEFAULT_CHUNK_ROWS, _gather_sequence, _Head, _sum_hidden_grad
-from .vocab_softmax import (CHUNK_BYTES, DTYPES, IGNORE_INDEX, Plan, check_devices, chunk_grad, chunk_stats,
+from .fused_head import _MIN_DEFAULT_CHUNK_ROWS, _gather_sequence, check_head_args, _Head, _sum_hidden_grad
+from .vocab_softmax import (CHUNK_BYTES, IGNORE_INDEX, Plan, chunk_grad, chunk_stats,
                             empty_stats, grad_rows, plan_targets, reduce_stats, resolve_group, row_chunks,
                             workspace)
 
@@ -63,30 +63,6 @@ class _StoredGrad(torch.autograd.Function):
         # scaled in place: a second [v_local, h] buffer would cost as much as the weight gradient
         gh, gw = (None if t is None else t.mul_(g.to(t.dtype)) for t in grads)
         return gh, gw, None, None
-
-
-def _check_args(hidden, weight, targets, mask, tp, sp, head_dtype) -> None:
-    """The argument checks of fused_token_logprobs (fused_head.py), which keeps them inline."""
-    for name, tensor, dim in (("hidden", hidden, 3), ("weight", weight, 2)):
-        if tensor.dtype not in DTYPES or tensor.dim() != dim:
-            raise ValueError(f"{name}: expected a {dim}-d fp32/bf16/fp16 tensor, found {tensor.dtype} "
-                             f"of shape {tuple(tensor.shape)}")
-    check_devices({"hidden": hidden, "targets": targets, "mask": mask})
-    if weight.shape[1] != hidden.shape[-1] or weight.device != hidden.device:
-        raise ValueError(f"weight: expected [v_local, {hidden.shape[-1]}] on {hidden.device} (hidden's "
-                         f"h and device), found {tuple(weight.shape)} on {weight.device}")
-    if head_dtype is not None and head_dtype not in DTYPES:
-        raise ValueError(f"head_dtype: expected None, torch.float32, torch.bfloat16 or torch.float16, "
-                         f"found {head_dtype!r}")
-    if head_dtype is None and hidden.dtype != weight.dtype:
-        raise ValueError(f"hidden and weight: expected one dtype, found {hidden.dtype} and "
-                         f"{weight.dtype}; pass head_dtype= to run the head in one of them")
-    seq = hidden.shape[0] * (tp if sp else 1)
-    if (targets.shape != (seq, hidden.shape[1]) or targets.dtype.is_floating_point
-            or targets.dtype == torch.bool):
-        where = f" ({tp} sequence-parallel slices of {hidden.shape[0]})" if sp else ""
-        raise ValueError(f"targets: expected integer ids of shape {(seq, hidden.shape[1])}, hidden's "
-                         f"[s, b]{where}, found {targets.dtype} of shape {tuple(targets.shape)}")
 
 
 def _coefs(coef_fn: CoefFn, r0: int, r1: int, lp: Tensor, ent: Tensor | None, valid: Tensor):
@@ -202,7 +178,7 @@ def fused_grad_logprobs(
     """
     _, tp, rank = resolve_group(tp_group)
     sp = bool(sequence_parallel)
-    _check_args(hidden, weight, targets, mask, tp, sp, head_dtype)
+    check_head_args(hidden, weight, targets, mask, tp, sp, head_dtype)
     if chunk_rows is None:
         per_row = 4 * max(1, weight.shape[0])
         chunk_rows = max(_MIN_DEFAULT_CHUNK_ROWS, CHUNK_BYTES.get(hidden.device.type, CHUNK_BYTES["cuda"]) // per_row)

@@ -166,6 +166,30 @@ def _sum_hidden_grad(gh: Tensor, group, head: _Head) -> Tensor:
     return out
 
 
+def check_head_args(hidden, weight, targets, mask, tp, sp, head_dtype) -> None:
+    """The argument checks both fused heads share; ValueError naming the field."""
+    for name, tensor, dim in (("hidden", hidden, 3), ("weight", weight, 2)):
+        if tensor.dtype not in DTYPES or tensor.dim() != dim:
+            raise ValueError(f"{name}: expected a {dim}-d fp32/bf16/fp16 tensor, found {tensor.dtype} "
+                             f"of shape {tuple(tensor.shape)}")
+    check_devices({"hidden": hidden, "targets": targets, "mask": mask})
+    if weight.shape[1] != hidden.shape[-1] or weight.device != hidden.device:
+        raise ValueError(f"weight: expected [v_local, {hidden.shape[-1]}] on {hidden.device} (hidden's "
+                         f"h and device), found {tuple(weight.shape)} on {weight.device}")
+    if head_dtype is not None and head_dtype not in DTYPES:
+        raise ValueError(f"head_dtype: expected None, torch.float32, torch.bfloat16 or torch.float16, "
+                         f"found {head_dtype!r}")
+    if head_dtype is None and hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden and weight: expected one dtype, found {hidden.dtype} and "
+                         f"{weight.dtype}; pass head_dtype= to run the head in one of them")
+    seq = hidden.shape[0] * (tp if sp else 1)
+    if (targets.shape != (seq, hidden.shape[1]) or targets.dtype.is_floating_point
+            or targets.dtype == torch.bool):
+        where = f" ({tp} sequence-parallel slices of {hidden.shape[0]})" if sp else ""
+        raise ValueError(f"targets: expected integer ids of shape {(seq, hidden.shape[1])}, hidden's "
+                         f"[s, b]{where}, found {targets.dtype} of shape {tuple(targets.shape)}")
+
+
 def fused_token_logprobs(
     hidden: Tensor, weight: Tensor, targets: Tensor, *, tp_group=None, sequence_parallel: bool = False,
     temperature: float = 1.0, return_entropy: bool = False, vocab_size: int | None = None,
@@ -197,28 +221,9 @@ def fused_token_logprobs(
     does one all-reduce of the [s*b, h] hidden gradient (a reduce-scatter under sequence
     parallelism). Host syncs: one validates targets, one in backward counts the rows to skip.
     """
-    for name, tensor, dim in (("hidden", hidden, 3), ("weight", weight, 2)):
-        if tensor.dtype not in DTYPES or tensor.dim() != dim:
-            raise ValueError(f"{name}: expected a {dim}-d fp32/bf16/fp16 tensor, found {tensor.dtype} "
-                             f"of shape {tuple(tensor.shape)}")
-    check_devices({"hidden": hidden, "targets": targets, "mask": mask})
-    if weight.shape[1] != hidden.shape[-1] or weight.device != hidden.device:
-        raise ValueError(f"weight: expected [v_local, {hidden.shape[-1]}] on {hidden.device} (hidden's "
-                         f"h and device), found {tuple(weight.shape)} on {weight.device}")
-    if head_dtype is not None and head_dtype not in DTYPES:
-        raise ValueError(f"head_dtype: expected None, torch.float32, torch.bfloat16 or torch.float16, "
-                         f"found {head_dtype!r}")
-    if head_dtype is None and hidden.dtype != weight.dtype:
-        raise ValueError(f"hidden and weight: expected one dtype, found {hidden.dtype} and "
-                         f"{weight.dtype}; pass head_dtype= to run the head in one of them")
     _, tp, rank = resolve_group(tp_group)
     sp = bool(sequence_parallel)
-    seq = hidden.shape[0] * (tp if sp else 1)
-    if (targets.shape != (seq, hidden.shape[1]) or targets.dtype.is_floating_point
-            or targets.dtype == torch.bool):
-        where = f" ({tp} sequence-parallel slices of {hidden.shape[0]})" if sp else ""
-        raise ValueError(f"targets: expected integer ids of shape {(seq, hidden.shape[1])}, hidden's "
-                         f"[s, b]{where}, found {targets.dtype} of shape {tuple(targets.shape)}")
+    check_head_args(hidden, weight, targets, mask, tp, sp, head_dtype)
     plan, lt, owned, valid = plan_targets(
         targets.long(), weight.shape[0], hidden.device, tp_group=tp_group, temperature=temperature,
         return_entropy=return_entropy, vocab_size=vocab_size, mask=mask, ignore_index=ignore_index,
