@@ -4,10 +4,13 @@
     coef_fn = chunk_coef_fn(lambda lp, ent: microbatch_loss(cfg, lp, ...)[0], (b, s), device=dev)
     lp, ent, z = fused_grad_logprobs(hidden, weight, targets, coef_fn, ...)
 
-coef_fn keeps a [b, s] buffer of the logprobs (and entropies) filled so far and, for each chunk
-of rows, differentiates the ordinary loss on a leaf copy of it: exact for every loss whose
-gradient at a token reads only that token's values and given inputs (fused_grad_fallback says
-which are not). Pure tensor code; the seq_sum handed to the loss must not run collectives.
+Two modes. Chunk-local (chunk_local(cfg, agg_weight) True: the policy step's agg_weight path and
+no sequence total in the gradient): each chunk runs the loss on its own rows only, every per-token
+input gathered to [1, rows] (rows_loss), so a microbatch costs O(s) in all. Otherwise coef_fn keeps
+a [b, s] buffer of the logprobs (and entropies) filled so far and, for each chunk, differentiates
+the whole microbatch's loss on a leaf copy of it: O(s) per chunk, O(s^2) per microbatch. Both are
+exact for every loss whose gradient at a token reads only that token's values and given inputs
+(fused_grad_fallback says which are not). Pure tensor code; no seq_sum here runs collectives.
 """
 from __future__ import annotations
 
@@ -27,8 +30,6 @@ from .registry import check_loss_config
 # that token's logprob and given inputs. A plugin may form sequence quantities, so it falls back.
 SEPARABLE_LOSSES = frozenset({"cispo", "ppo", "rollout_is"})
 
-# coef_fn(r0, r1, lp_rows [r1-r0] fp32, ent_rows or None) -> (g_lp [r1-r0], g_ent or None)
-CoefFn = Callable[[int, int, Tensor, Optional[Tensor]], tuple[Tensor, Optional[Tensor]]]
 
 
 def fused_grad_fallback(cfg: LossConfig, old_from_current: bool, *, cp_size: int = 1,
@@ -74,30 +75,63 @@ def microbatch_loss(cfg: LossConfig, lp: Tensor, *, given: dict, seq_sum: SeqSum
     return loss_sum * loss_scale, None, m
 
 
-def chunk_coef_fn(loss_of: Callable[[Tensor, Optional[Tensor]], Tensor], shape: tuple[int, int], *,
-                  device, entropy: bool = False, entropy_grad: bool = False) -> CoefFn:
-    """coef_fn for fused_grad_logprobs over a microbatch of `shape` (b, s).
+def chunk_local(cfg: LossConfig, agg_weight: Optional[Tensor]) -> bool:
+    """Whether each chunk's coefficients can come from the loss of its rows alone (rows_loss): with
+    agg_weight (the policy step's fixed per-token weights) and no sequence total reaching the
+    gradient (tis.level='sequence' and correction.geo_rs weight tokens by one). Without
+    agg_weight, compute_policy_loss divides by per-sequence counts of the microbatch."""
+    return agg_weight is not None and cfg.tis.level != "sequence" and cfg.correction.geo_rs is None
 
-    loss_of(lp [b, s], ent [b, s] or None) -> the scalar whose gradient the head computes; it must
-    run no collectives. Rows are the op's s-major positions (row = s_idx * b + b_idx). Each call
-    writes its rows into the buffers, differentiates loss_of on leaf copies and returns the rows'
+
+def rows_loss(cfg: LossConfig, lp: Tensor, ent: Optional[Tensor], pick: Callable[[Tensor], Tensor], *,
+              given: dict, agg_weight: Tensor, loss_scale=1.0, old_from_current: bool = False) -> Tensor:
+    """microbatch_loss's value restricted to some tokens, when chunk_local holds: lp, ent [1, n];
+    pick(t) takes a [b] or [b, s] input at those tokens -> [1, n]. given: as microbatch_loss's
+    (entropy left out). Its seq_sum is a row sum over the n tokens: with chunk_local only the
+    discarded metrics read it. old_from_current: pi_old is lp.detach()."""
+    g = {k: None if v is None or k == "entropy" else pick(v) for k, v in given.items()}
+    g["loss_mask"] = g["loss_mask"] != 0  # the whole microbatch's loss checks its values (a host sync)
+    if old_from_current:
+        g["old_logprobs"] = lp.detach()
+    per_token, _, _ = per_token_policy_loss(cfg, lp, seq_sum=row_sum, **dict(g, entropy=ent))
+    return (per_token * pick(agg_weight)).sum() * loss_scale
+
+
+def chunk_coef_fn(loss_of: Callable[..., Tensor], shape: tuple[int, int], *, device, entropy: bool = False,
+                  entropy_grad: bool = False, local: bool = False) -> Callable:
+    """coef_fn (fused_grad.CoefFn; losses may not import the op) for fused_grad_logprobs over a
+    microbatch of `shape` (b, s).
+
+    Rows are the op's s-major positions (row = s_idx * b + b_idx). local=False: loss_of(lp [b, s],
+    ent [b, s] or None) -> the scalar whose gradient the head computes; each call writes its rows
+    into [b, s] buffers and differentiates loss_of on leaf copies. local=True (chunk_local):
+    loss_of(lp [1, n], ent [1, n] or None, pick) -> the loss of the chunk's n rows alone (rows_loss;
+    pick gathers a [b] or [b, s] input at them). loss_of must run no collectives. Returns the rows'
     dL/dlp (and dL/dent when entropy_grad, else None). Exact when fused_grad_fallback is None.
     """
     b, s = shape
-    lp_buf = torch.zeros(b, s, dtype=torch.float32, device=device)
-    ent_buf = torch.zeros_like(lp_buf) if entropy else None
+    lp_buf = None if local else torch.zeros(b, s, dtype=torch.float32, device=device)
+    ent_buf = torch.zeros_like(lp_buf) if entropy and not local else None
 
     def coef_fn(r0: int, r1: int, lp_rows: Tensor, ent_rows: Optional[Tensor]):
         rows = torch.arange(r0, r1, device=device)
         si, bi = rows // b, rows % b  # [s, b] rows -> [b, s] positions
-        lp_buf[bi, si] = lp_rows.detach().float()
-        if ent_buf is not None:
-            ent_buf[bi, si] = ent_rows.detach().float()
         with torch.enable_grad():  # the op may call us inside its autograd.Function.forward
-            lp = lp_buf.clone().requires_grad_(True)
-            ent = None if ent_buf is None else ent_buf.clone().requires_grad_(entropy_grad)
+            if local:
+                lp = lp_rows.detach().float()[None].requires_grad_(True)
+                ent = None if ent_rows is None or not entropy else ent_rows.detach().float()[None]
+                ent = None if ent is None else ent.requires_grad_(entropy_grad)
+                loss = loss_of(lp, ent, lambda t: (t[bi] if t.dim() == 1 else t[bi, si])[None])
+            else:
+                lp_buf[bi, si] = lp_rows.detach().float()
+                if ent_buf is not None:
+                    ent_buf[bi, si] = ent_rows.detach().float()
+                lp = lp_buf.clone().requires_grad_(True)
+                ent = None if ent_buf is None else ent_buf.clone().requires_grad_(entropy_grad)
+                loss = loss_of(lp, ent)
             wrt = [lp, ent] if entropy_grad else [lp]
-            grads = torch.autograd.grad(loss_of(lp, ent), wrt, allow_unused=True)
-        picked = [torch.zeros(r1 - r0, device=device) if g is None else g[bi, si] for g in grads]
+            grads = torch.autograd.grad(loss, wrt, allow_unused=True)
+        picked = [torch.zeros(r1 - r0, device=device) if g is None else g[0] if local else g[bi, si]
+                  for g in grads]
         return picked[0], (picked[1] if entropy_grad else None)
     return coef_fn

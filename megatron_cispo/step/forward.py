@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..config import LossConfig
-from ..losses.token_grad import chunk_coef_fn, fused_grad_fallback, microbatch_loss
+from ..losses.token_grad import chunk_coef_fn, chunk_local, fused_grad_fallback, microbatch_loss, rows_loss
 from ..vocab_softmax import resolve_group
 from .hooks import check_megatron_config
 from .head import forward_with_head, head_fused_grad, head_logprobs, unwrap
@@ -115,7 +115,8 @@ def make_loss_func(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_size
     loss.head=fused_grad: the head computes the gradient in its forward (losses.token_grad's
     coefficients), the value and metrics come from its logprobs through the same code, and the
     loss returned is value.detach() + z; where losses.token_grad.fused_grad_fallback names a
-    reason, the microbatch runs the fused head (head/fused_grad_fallback = 1, logged once).
+    reason, or when the forward found no output layer to fuse (mb.fused None: the logits head ran),
+    the microbatch runs the other head (head/fused_grad_fallback = 1, logged once).
     Needs calculate_per_token_loss=True. Collectives: token_logprobs' two TP all-reduces, and one
     CP all-reduce per sequence-level quantity (sequence TIS) when cp > 1.
     """
@@ -131,24 +132,33 @@ def make_loss_func(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_size
                              "build it with step.packing.microbatches, or leave out the normalisation fields")
         group = _cp_group(cp_group) if mb.agg_weight is not None else None
 
+        given = dict(advantages=mb.advantages, loss_mask=mb.loss_mask, old_logprobs=mb.old_logprobs,
+                     rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs,
+                     keep=mb.token_keep)  # M2PO's selection (step.m2po), made before the step
+
         def loss_of(lp, ent, seq_sum):
-            given = dict(advantages=mb.advantages, loss_mask=mb.loss_mask,
-                         old_logprobs=lp.detach() if old_from_current else mb.old_logprobs,
-                         rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs, entropy=ent,
-                         keep=mb.token_keep)  # M2PO's selection (step.m2po), made before the step
-            return microbatch_loss(loss_cfg, lp, given=given, seq_sum=seq_sum, agg_weight=mb.agg_weight,
+            g = dict(given, entropy=ent, old_logprobs=lp.detach() if old_from_current else mb.old_logprobs)
+            return microbatch_loss(loss_cfg, lp, given=g, seq_sum=seq_sum, agg_weight=mb.agg_weight,
                                    agg_share=mb.agg_share, loss_scale=mb.loss_scale)
 
         seq_sum = None if mb.agg_weight is None else _segment_sum(mb.seq_index, mb.n_seqs, group)
         z, fell_back = None, None
-        if fused_grad and mb.fused is not None:
-            fell_back = fused_grad_fallback(loss_cfg, old_from_current, kept_set=mb.kept_set is not None,
-                                            cp_size=1 if group is None else dist.get_world_size(group))
-        if fused_grad and mb.fused is not None and fell_back is None:
-            local = None if seq_sum is None else _segment_sum(mb.seq_index, mb.n_seqs, None)  # no collective
-            coef_fn = chunk_coef_fn(lambda lp, ent: loss_of(lp, ent, local)[0], tuple(mb.targets.shape),
-                                    device=mb.targets.device, entropy=want_entropy,
-                                    entropy_grad=loss_cfg.entropy_coef != 0)
+        if fused_grad:
+            fell_back = ("no output layer was found to fuse (mb.fused is None): the logits head ran"
+                         if mb.fused is None else
+                         fused_grad_fallback(loss_cfg, old_from_current, kept_set=mb.kept_set is not None,
+                                             cp_size=1 if group is None else dist.get_world_size(group)))
+        if fused_grad and fell_back is None:
+            eg, shape, dev = loss_cfg.entropy_coef != 0, tuple(mb.targets.shape), mb.targets.device
+            if chunk_local(loss_cfg, mb.agg_weight):  # O(rows) per chunk: the chunk's tokens alone
+                coef_fn = chunk_coef_fn(
+                    lambda lp, ent, pick: rows_loss(loss_cfg, lp, ent, pick, given=given, agg_weight=mb.agg_weight,
+                                                    loss_scale=mb.loss_scale, old_from_current=old_from_current),
+                    shape, device=dev, entropy=want_entropy, entropy_grad=eg, local=True)
+            else:  # a sequence total reaches the gradient: the whole microbatch's loss per chunk
+                local = None if seq_sum is None else _segment_sum(mb.seq_index, mb.n_seqs, None)  # no collective
+                coef_fn = chunk_coef_fn(lambda lp, ent: loss_of(lp, ent, local)[0], shape, device=dev,
+                                        entropy=want_entropy, entropy_grad=eg)
             lp, ent, z = head_fused_grad(mb, output, coef_fn, temperature=temperature, vocab_size=vocab_size,
                                          entropy=want_entropy, head_fp32=loss_cfg.head_fp32)
         else:
@@ -161,7 +171,8 @@ def make_loss_func(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_size
                                                   torch.ones((), device=lp.device))
             if fell_back is not None and not logged:
                 logged.append(fell_back)
-                _say_once(f"loss.head=fused_grad falls back to 'fused': {fell_back}")
+                _say_once(f"loss.head=fused_grad falls back to '{'fused' if mb.fused is not None else 'logits'}': "
+                          f"{fell_back}")
         if z is not None:
             loss = loss.detach() + z  # the value of the ordinary loss, the gradient of the op
         num_tokens = mb.num_tokens if denominator is None else denominator.round().to(torch.int)

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..fused_grad import fused_grad_logprobs
 from ..logprobs import token_logprobs
 
 
@@ -155,8 +156,6 @@ def head_fused_grad(mb, output: Tensor, coef_fn, *, temperature: float, vocab_si
     with coef_fn (losses.token_grad.chunk_coef_fn) over the hidden states [b, s(/tp), h]. Returns
     (lp [b, s] fp32, ent [b, s] fp32 or None, both without graph; z, 0-d with value 0, whose
     backward puts the loss's gradient into the hidden states and the output weight)."""
-    from ..fused_grad import fused_grad_logprobs
-
     lp, ent, z = fused_grad_logprobs(
         output.transpose(0, 1), mb.fused.weight, mb.targets.t(), coef_fn,
         sequence_parallel=mb.fused.sequence_parallel, temperature=temperature, return_entropy=entropy,

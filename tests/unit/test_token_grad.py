@@ -3,12 +3,15 @@ of the whole loss for every separable config, and each config fused_grad_fallbac
 needs the fallback (the generic per-chunk coefficient is wrong for it) or says why it falls back;
 and make_loss_func with the real op equals the fused head on one process, fallback included.
 """
+from functools import partial
+
 import pytest
 import torch
 
 from megatron_cispo.config import LossConfig, from_dict
 from megatron_cispo.losses import register_policy_loss, token_weights
-from megatron_cispo.losses.token_grad import chunk_coef_fn, fused_grad_fallback, microbatch_loss
+from megatron_cispo.losses.token_grad import (chunk_coef_fn, chunk_local, fused_grad_fallback, microbatch_loss,
+                                              rows_loss)
 from megatron_cispo.step.forward import _segment_sum
 
 B, S = 3, 7
@@ -47,6 +50,13 @@ def loss_of_for(cfg, given, *, agg=None, seq_sum=None, old_from_current=False):
     return loss_of
 
 
+def rows_loss_for(cfg, given):
+    """The chunk-local loss (rows_loss) of loss_of_for(cfg, given, agg='weights')."""
+    given = {k: v for k, v in given.items() if k != "keep" or cfg.correction.m2po is not None}
+    weight = token_weights(given["loss_mask"], cfg.loss_agg, cfg.max_len)[0]
+    return lambda lp, ent, pick: rows_loss(cfg, lp, ent, pick, given=given, agg_weight=weight, loss_scale=0.37)
+
+
 def full_grad(loss_of, lp, ent, entropy_grad):
     lp, ent = lp.clone().requires_grad_(True), ent.clone().requires_grad_(entropy_grad)
     wrt = [lp, ent] if entropy_grad else [lp]
@@ -54,9 +64,9 @@ def full_grad(loss_of, lp, ent, entropy_grad):
     return [torch.zeros(B, S) if g is None else g for g in grads]
 
 
-def chunked_grad(loss_of, lp, ent, entropy_grad, rows=4):
+def chunked_grad(loss_of, lp, ent, entropy_grad, rows=4, local=False):
     """coef_fn over increasing row ranges of the op's s-major [s * b] positions, reassembled [b, s]."""
-    fn = chunk_coef_fn(loss_of, (B, S), device=lp.device, entropy=True, entropy_grad=entropy_grad)
+    fn = chunk_coef_fn(loss_of, (B, S), device=lp.device, entropy=True, entropy_grad=entropy_grad, local=local)
     lp_rows, ent_rows = lp.t().reshape(-1), ent.t().reshape(-1)
     out = [torch.zeros(S * B), torch.zeros(S * B)]
     for r0 in range(0, S * B, rows):
@@ -108,6 +118,12 @@ def test_chunk_coefficients_equal_autograd_of_the_whole_loss(name, agg):
     assert want[0].abs().max() > 0
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
+    # the step's chunk-local mode (the chunk's rows alone) where no sequence total reaches the gradient
+    sequence_total = name in ("tis_sequence_given_old", "geo_rs_old_given_old")
+    assert chunk_local(cfg, torch.ones(1) if agg else None) == (agg is not None and not sequence_total)
+    if chunk_local(cfg, torch.ones(1) if agg else None):
+        for w, g in zip(want, chunked_grad(rows_loss_for(cfg, given), lp, ent, eg, local=True)):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["tis_token", "mis_old", "cispo_old"])
@@ -183,7 +199,8 @@ def _step_case(head, cfg_over, seed=5):
     agg_weight, share, _ = token_weights(mask, "seq_mean_token_mean")
     mb = Microbatch(targets=torch.randint(0, v, (b, s), generator=g), loss_mask=mask,
                     advantages=torch.randn(b, s, generator=g), rollout_logprobs=-2.8 + torch.randn(b, s, generator=g),
-                    old_logprobs=-2.8 + torch.randn(b, s, generator=g), seq_index=torch.arange(b)[:, None].expand(b, s),
+                    old_logprobs=-2.8 + torch.randn(b, s, generator=g),
+                    ref_logprobs=-2.8 + torch.randn(b, s, generator=g), seq_index=torch.arange(b)[:, None].expand(b, s),
                     n_seqs=b, agg_weight=agg_weight, agg_share=share, loss_scale=0.7, num_tokens=torch.tensor(b * s),
                     fused=FusedHead(weight, False))
     cfg = cfg_of(**cfg_over, loss_agg="seq_mean_token_mean", head=head)
@@ -213,3 +230,25 @@ def test_make_loss_func_fused_grad_matches_the_fused_head_and_counts_fallbacks()
             assert b.abs().max() > 0
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
+
+
+@pytest.mark.parametrize("over,local", [
+    ({"cispo": {"anchor": "old"}}, True), ({"policy_loss": "ppo", "kl": {"coef": 0.1, "estimator": "k3"}}, True),
+    ({"entropy_coef": 0.1, "tis": {"level": "token"}, "correction": {"mis": [0.5, 2.0]}}, True),
+    ({"tis": {"level": "sequence", "cap": 2.0}}, False)])
+def test_step_runs_the_chunk_local_loss_unless_a_sequence_total_reaches_the_gradient(monkeypatch, over, local):
+    """Which [*, n] logprobs the policy loss sees on make_loss_func's agg_weight path: per chunk only
+    the chunk's rows [1, rows] (linear in s), not the whole [b, s] microbatch (quadratic in s);
+    the whole microbatch once more for the value and metrics."""
+    import megatron_cispo.losses.compute as compute
+    import megatron_cispo.losses.token_grad as token_grad
+
+    import megatron_cispo.step.head as head
+
+    seen, real = [], compute.per_token_policy_loss
+    monkeypatch.setattr(token_grad, "per_token_policy_loss",
+                        lambda cfg, lp, **kw: seen.append(tuple(lp.shape)) or real(cfg, lp, **kw))
+    monkeypatch.setattr(head, "fused_grad_logprobs", partial(head.fused_grad_logprobs, chunk_rows=4))
+    _step_case("fused_grad", over)
+    assert seen[-1] == (2, 6)  # the value: the whole microbatch
+    assert seen[:-1] == ([(1, 4)] * 3 if local else [(2, 6)] * 3), seen
