@@ -14,7 +14,8 @@ first rank to notice; gloo only, see docs/troubleshooting.md for NCCL); 5 (EXIT_
 SIGINT (Ctrl-C) or SIGHUP: every rank finished the step and a checkpoint was written, rank 0 says
 where; rerun with run.resume=true (a second Ctrl-C stops at once without one: 130); 6
 (EXIT_SAVE_FAILED) a checkpoint could not be written (a full disk), rank 0 names the file and the
-free space; 7 (EXIT_ROLLOUT_FAILED) the rollout engine (vLLM) failed mid-run, rank 0 quotes its
+free space; 7 (EXIT_ROLLOUT_FAILED) the rollout engine (vLLM) failed mid-run or its MoE routes disagree
+with the model (BadRoutes), rank 0 quotes its
 error. A config that differs across ranks (an ${ENV} value) is an EXIT_CONFIG error
 naming the keys and each rank's value; `--check` also refuses a run.run_dir that rank 0 would.
 Bare torchrun prints rank 0's line, then its agent's log lines and a ChildFailedError traceback
@@ -41,7 +42,7 @@ EXIT_NONFINITE = 3
 EXIT_PEER_LOST = 4
 EXIT_PREEMPTED = 5
 EXIT_SAVE_FAILED = 6
-EXIT_ROLLOUT_FAILED = 7  # the rollout engine (vLLM) failed mid-run; rank 0 printed its error
+EXIT_ROLLOUT_FAILED = 7  # the rollout engine (vLLM) failed mid-run, or its MoE routes disagree with the model; rank 0 printed why
 EXIT_INTERRUPTED = 130  # a second Ctrl-C: runner/preempt.py's os._exit code (128 + SIGINT, as a shell reports it)
 # Exit codes whose reason rank 0 has printed in one line (launch/run_torchrun.py passes them on quietly).
 REPORTED_EXIT_CODES = (EXIT_CONFIG, EXIT_NONFINITE, EXIT_PEER_LOST, EXIT_PREEMPTED, EXIT_SAVE_FAILED,
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     from .runner.peers import PeerLost
     from .runner.checkpoint import SaveFailed
     from .runner.preempt import Preempted
+    from .step.routing_replay import BadRoutes
 
     try:
         run(cfg)
@@ -143,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     except SaveFailed:  # rank 0 printed which file, why and the free space
         return EXIT_SAVE_FAILED
     except RolloutFailed:  # rank 0 printed the engine's error
+        return EXIT_ROLLOUT_FAILED
+    except BadRoutes as e:  # the sampler's MoE routes disagree with the model; the same on every rank
+        _say_once(str(e))
         return EXIT_ROLLOUT_FAILED
     return 0
 

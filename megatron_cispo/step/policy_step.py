@@ -81,7 +81,9 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
     "_min", exact over DP, EP, TP, CP and PP (step.moe.RouterStats.reduce defines them).
     With batch.routed_experts on an MoE model, step.routing_replay adds "moe/route_mismatch" (and
     per MoE layer "moe/route_mismatch_l{j}"), "moe/replay_fallback_frac" and "moe/replay_fallbacks";
-    loss.routing_replay='rollout' also routes every pass (pi_old, reference, training) the sampler's way.
+    loss.routing_replay='rollout' also routes every pass (pi_old, reference, training) the sampler's way;
+    'off' on routers that cannot be measured (routing_replay.unusable) ignores the routes. Routes that
+    disagree with the model raise routing_replay.BadRoutes on every rank, naming the global sample.
     row_ids: [n] int, each local row's global sequence index, unique over DP and the same in every
     layout (M2PO's tie-break); default: the Rollouts.dp_shard layout, with as many minibatches as
     minibatch_size makes.
@@ -95,9 +97,14 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
     check_loss_config(loss_cfg)
     shape = check_batch(chunks, batch, loss_cfg, step_cfg, ref_chunks=ref_chunks)
     calls = [] if calls is None else calls
+    if row_ids is None:  # global sample indices: M2PO's tie-break, and a bad route's name
+        row_ids = dp_shard_row_ids(shape.n, shape.mini_local, mpu.get_data_parallel_rank(),
+                                   mpu.get_data_parallel_world_size(), batch.tokens.device)
     # MoE routing replay (R3) in every pass over the rollouts: pi_old, reference and training
     replay = RoutingReplay.of([*chunks, *(ref_chunks or [])], batch, loss_cfg.routing_replay,
-                              mpu.get_data_parallel_group())
+                              mpu.get_data_parallel_group(), row_ids=row_ids)
+    if replay is None and batch.routed_experts is not None:  # routes the routers cannot take: ignored
+        batch = batch.replace(routed_experts=None)
     with replay or contextlib.nullcontext():
         batch, keep, m2po_metrics = prepare_inputs(chunks, batch, loss_cfg, step_cfg, shape, vocab_size=vocab_size,
                                                    ref_chunks=ref_chunks, calls=calls, row_ids=row_ids)
@@ -177,9 +184,6 @@ def prepare_inputs(chunks, batch: Rollouts, loss_cfg: LossConfig, step_cfg: Step
     if loss_cfg.correction.m2po is None:
         return batch, None, {}
     # whole batch, every DP rank, before the first microbatch
-    dp = mpu.get_data_parallel_world_size()
-    if row_ids is None:
-        row_ids = dp_shard_row_ids(shape.n, shape.mini_local, mpu.get_data_parallel_rank(), dp, batch.tokens.device)
     given = {k: getattr(batch, k) for k in ("old_logprobs", "rollout_logprobs", "ref_logprobs")}
     keep, metrics = step_selection(batch.old_logprobs, batch.rollout_logprobs,
                                    valid_tokens(loss_cfg, batch.loss_mask, **given), loss_cfg.correction.m2po,

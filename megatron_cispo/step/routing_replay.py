@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from typing import Iterator, Optional
 
 import torch
@@ -35,9 +36,15 @@ def moe_layer_numbers(config) -> list[int]:
     return [i + 1 for i, moe in enumerate(pattern) if moe]
 
 
-def check_routes(routes: Tensor, config) -> Optional[str]:
+class BadRoutes(ValueError):
+    """Rollouts.routed_experts that disagree with the model. policy_step raises it on every rank
+    with the same message; a launcher prints it once (train.py does, from rank 0)."""
+
+
+def check_routes(routes: Tensor, config, row_ids: Optional[Tensor] = None) -> Optional[str]:
     """The first problem of routes [n, s, L, k] against the model (None: fine): L MoE layers and
-    top_k, expert ids in [0, num_experts) or -1, no expert twice within one routed token. Host sync."""
+    top_k, expert ids in [0, num_experts) or -1, no expert twice within one routed token. Host sync.
+    row_ids [n]: each row's global sample index, named in the message (default: the row)."""
     layers, k, experts = len(moe_layer_numbers(config)), config.moe_router_topk, config.num_moe_experts
     if tuple(routes.shape[2:]) != (layers, k):
         return (f"rollouts.routed_experts has shape {tuple(routes.shape)}; the model has {layers} MoE layers "
@@ -54,7 +61,8 @@ def check_routes(routes: Tensor, config) -> Optional[str]:
         return None
     row, pos, layer, slot = (int(i) for i in bad.nonzero()[0])
     expert = int(routes.sort(-1).values[row, pos, layer, slot]) if "twice" in what else int(routes[row, pos, layer, slot])
-    return (f"rollouts.routed_experts: sample {row}, MoE layer {layer} (model layer "
+    sample = row if row_ids is None else int(row_ids[row])
+    return (f"rollouts.routed_experts: sample {sample} (global index), MoE layer {layer} (model layer "
             f"{moe_layer_numbers(config)[layer]}), position {pos}: expert {expert} {what}; the routes must "
             f"come from this model's sampler")
 
@@ -114,15 +122,35 @@ def _seam_missing() -> Optional[str]:
     return None
 
 
+def cuda_graphs(config) -> Optional[str]:
+    """The CUDA-graph setting that is on (None: off). A captured router replays its kernels and
+    never calls the Python seam, so routes would be ignored without a word. enable_cuda_graph and
+    external_cuda_graph are 0.16-0.19's deprecated spellings of cuda_graph_impl (probed: either may go)."""
+    for name in ("enable_cuda_graph", "external_cuda_graph"):
+        if getattr(config, name, False):
+            return f"{name}=True"
+    impl = getattr(config, "cuda_graph_impl", None)
+    return None if impl in (None, "none") else f"cuda_graph_impl={impl!r}"
+
+
+def unusable(config) -> Optional[str]:
+    """Why this model's routers cannot take or measure replayed routes (None: they can)."""
+    if config.moe_router_fusion or getattr(config, "moe_router_load_balancing_type", None) == "sinkhorn":
+        return "routing replay needs the unfused top-k router (moe_router_fusion off, no sinkhorn)"
+    graphs = cuda_graphs(config)
+    if graphs:
+        return (f"CUDA graphs are on ({graphs}): a captured router never calls the replay seam; set "
+                "cuda_graph_impl='none' (and enable_cuda_graph/external_cuda_graph off)")
+    return _seam_missing()
+
+
 def install(chunk, config) -> list[LayerReplay]:
     """The LayerReplays on `chunk`'s routers (made on first use, kept on the chunk)."""
     if hasattr(chunk, _ATTR):
         return getattr(chunk, _ATTR)
     from megatron.core.transformer.moe.router import TopKRouter
 
-    problem = _seam_missing()
-    if config.moe_router_fusion or getattr(config, "moe_router_load_balancing_type", None) == "sinkhorn":
-        problem = "routing replay needs the unfused top-k router (moe_router_fusion off, no sinkhorn)"
+    problem = unusable(config)
     if problem:
         raise ValueError(f"loss.routing_replay: {problem}")
     index = {n: j for j, n in enumerate(moe_layer_numbers(config))}
@@ -142,7 +170,10 @@ def install(chunk, config) -> list[LayerReplay]:
 
 def recomputes_router(config) -> bool:
     """Whether megatron reruns the MoE router in the backward: full-layer recompute, or selective
-    with 'moe' (moe_layer.py; 'moe_act' reruns the expert activation only)."""
+    with 'moe' (moe_layer.py; 'moe_act' reruns the expert activation only). Per model, not per
+    layer: with recompute_method='block' only a stage's first recompute_num_layers layers rerun,
+    and the other routers' FIFO entries are never popped; they hold their routes until the step
+    ends (RoutingReplay's exit empties every FIFO), a memory cost, not a wrong route."""
     granularity = getattr(config, "recompute_granularity", None)
     return granularity == "full" or (granularity == "selective" and "moe" in (config.recompute_modules or ()))
 
@@ -188,7 +219,8 @@ def replay_routes(model, mb) -> Iterator[None]:
 class RoutingReplay:
     """A policy step's replay: mode 'rollout' replaces, 'off' only measures the mismatch (when the
     rollouts carry routes). Its metrics (reduce): moe/route_mismatch (routed valid tokens whose
-    trainer top-k set differs from the sampler's, before replay takes effect, over all MoE layers),
+    trainer top-k set differs from the sampler's: the router's own top-k given the replayed upstream
+    layers, over all MoE layers),
     moe/route_mismatch_l{j} per MoE layer j, moe/replay_fallback_frac (valid tokens with -1, over
     all valid tokens) and moe/replay_fallbacks; training forwards only, each epoch counts again."""
 
@@ -196,10 +228,13 @@ class RoutingReplay:
         self.layers, self.config, self.replace, self.device = layers, config, replace, device
 
     @classmethod
-    def of(cls, chunks, batch, mode: str, dp_group=None) -> Optional["RoutingReplay"]:
-        """None when the batch has no routes (mode 'rollout' then refused) or the model is dense.
+    def of(cls, chunks, batch, mode: str, dp_group=None, row_ids: Optional[Tensor] = None) -> Optional["RoutingReplay"]:
+        """None when the batch has no routes (mode 'rollout' then refused), the model is dense, or
+        mode is 'off' and the routers cannot be measured (unusable: fused or sinkhorn router, CUDA
+        graphs, no seam; said once, and the routes are ignored; 'rollout' is refused then).
         chunks: every model whose passes score the rollouts (policy and reference). Routes that
-        disagree with the model are refused on every DP rank (one MAX over DP), named where found."""
+        disagree with the model raise BadRoutes on every rank with the same message, naming the
+        sample by row_ids (global indices; one MAX over DP, and on failure one all_gather_object)."""
         from megatron.core.utils import get_model_config
 
         config = get_model_config(chunks[0])
@@ -210,12 +245,15 @@ class RoutingReplay:
                                 "the rollouts carry no routed_experts; have the sampler return them or set 'off'"))
         if dense or batch.routed_experts is None:
             return None
-        problem = check_routes(batch.routed_experts, config)
-        flag = all_reduce_in(torch.tensor([problem is not None], device=batch.tokens.device), dist.ReduceOp.MAX,
-                             dp_group)
-        if bool(flag):
-            raise ValueError(problem or "rollouts.routed_experts: another data-parallel rank holds a bad route "
-                                        "(its error names it)")
+        problem = unusable(config)
+        if problem and mode == "rollout":
+            raise ValueError(f"loss.routing_replay='rollout': {problem}")
+        if problem:
+            if not dist.is_initialized() or dist.get_rank() == 0:  # warnings shows it once per process
+                warnings.warn(f"loss.routing_replay='off': the rollouts' routed_experts are ignored and "
+                              f"moe/route_mismatch is not measured: {problem}", RuntimeWarning, stacklevel=2)
+            return None
+        _refuse_bad_routes(check_routes(batch.routed_experts, config, row_ids), batch.tokens.device, dp_group)
         layers = [layer for c in chunks for layer in install(c, get_model_config(c))]
         return cls(layers, config, mode == "rollout", batch.tokens.device)
 
@@ -249,3 +287,16 @@ class RoutingReplay:
                "moe/replay_fallbacks": fallback.sum(),
                **{f"moe/route_mismatch_l{j}": frac(differs[j], routed[j]) for j in range(count.shape[0])}}
         return dict(zip(out, torch.stack(list(out.values())).tolist()))
+
+
+def _refuse_bad_routes(problem: Optional[str], device, dp_group) -> None:
+    """BadRoutes on every rank, with the first DP rank's problem, when any DP rank has one (the
+    model-parallel ranks of one DP rank hold the same rows, so they agree)."""
+    flag = all_reduce_in(torch.tensor([problem is not None], device=device), dist.ReduceOp.MAX, dp_group)
+    if not bool(flag):
+        return
+    found = [problem]
+    if dp_group is not None and dist.is_initialized() and dist.get_world_size(dp_group) > 1:
+        found = [None] * dist.get_world_size(dp_group)
+        dist.all_gather_object(found, problem, group=dp_group)
+    raise BadRoutes(next(p for p in found if p is not None))

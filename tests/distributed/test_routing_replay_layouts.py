@@ -10,6 +10,8 @@ model's own routes of the global batch (an eval forward over whole rows); then, 
    the layout allows: CP needs packing).
 The routes travel through Rollouts.dp_shard, packing (THD), CP's load-balanced chunks, the SP
 slice and the pipeline stages (each stage's routers get their layers' routes).
+3. dp2 with a bad route on DP rank 1: both ranks raise BadRoutes with one message naming the
+   global sample index (not rank 1's local row).
 """
 import pytest
 import torch
@@ -78,7 +80,11 @@ def worker(layout: dict, routes: dict, runs: tuple):
         batch = batch.dp_shard(dp_rank=mpu.get_data_parallel_rank(), dp=mpu.get_data_parallel_world_size())
         step_cfg = StepConfig(micro_batch_size=2, max_tokens_per_microbatch=BUDGET if packed == "packed" else None)
         loss_cfg = from_dict(LossConfig, {"cispo": {"anchor": "rollout"}, "routing_replay": "rollout"})
-        metrics = policy_step(chunks, opt, batch, loss_cfg, step_cfg)
+        try:
+            metrics = policy_step(chunks, opt, batch, loss_cfg, step_cfg)
+        except ValueError as e:
+            out[run] = f"{type(e).__name__}: {e}"
+            continue
         for h in hooks:
             h.remove()
         out[run] = {"metrics": metrics, "state": gather_full_state(chunks),
@@ -122,3 +128,13 @@ def test_layouts_follow_the_routes_and_match_one_process(name):
                     f"{name} rank {rank} {run} {key}"
             for k, v in want["state"].items():
                 torch.testing.assert_close(r["state"][k], v, rtol=0, atol=TOL, msg=f"{name} {run} {k}")
+
+
+def test_a_bad_route_on_one_dp_rank_names_the_global_sample_on_every_rank():
+    bad = random_routes()
+    bad[6, 2, 1, 0] = EXPERTS  # global row 6: DP rank 1's local row 2
+    results = spawn(worker, 2, ({}, {"bad": bad}, ("bad_packed",)), timeout_s=300)
+    want = (f"BadRoutes: rollouts.routed_experts: sample 6 (global index), MoE layer 1 (model layer 2), "
+            f"position 2: expert {EXPERTS} is outside [0, {EXPERTS})")
+    assert [r["bad_packed"][:len(want)] for r in results] == [want, want]
+    assert results[0]["bad_packed"] == results[1]["bad_packed"]

@@ -10,13 +10,16 @@
 4. The router weight's gradient under replay equals a hand reference that gathers the same experts
    from the dense logits, and is nonzero.
 5. Activation recompute of the whole layer in the backward replays the same routes (FIFO).
+6. Routers that cannot take routes (no seam, fused or sinkhorn router, CUDA graphs): 'rollout' is
+   refused in one line; 'off' ignores the routes (nothing installed, no mismatch metric, one warning).
+The routes' checks by hand, the samplers and packing: test_routing_replay_data.py.
 """
+import warnings
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from megatron_cispo.step.routing_replay import check_routes, moe_layer_numbers
 from megatron_cispo.testing import spawn
 
 S, V, N, EXPERTS, TOPK, LAYERS = 11, 16, 4, 4, 2, 2
@@ -50,10 +53,13 @@ def _routers(chunks):
 
 
 def _watch(chunks, seen: list):
-    """Each router's routing map [tokens, E] in training forwards, as (moe index, map)."""
+    """Each router's routing map [tokens, E] in training forwards, and its own top-k by hand from
+    its input (softmax keeps the logits' order; no expert bias), as (moe index, map, own [tokens, k])."""
     def hook(router, args, out):
         if router.training and torch.is_grad_enabled():
-            seen.append((router.layer_number - 1, out[1].detach().clone()))
+            x = args[0].detach()
+            own = (x.reshape(-1, x.shape[-1]).float() @ router.weight.detach().float().t()).topk(TOPK, -1).indices
+            seen.append((router.layer_number - 1, out[1].detach().clone(), own.sort(-1).values))
     return [r.register_forward_hook(hook) for r in _routers(chunks)]
 
 
@@ -105,10 +111,12 @@ def _step(chunks, opt, batch, mode="rollout", old_pass="auto", recompute=False, 
         tcfg.recompute_granularity = None
         for h in hooks:
             h.remove()
-    own = {}
-    for layer, m in seen:  # per layer, the microbatches' maps [s, b, E] back to [n, s, k]
-        own.setdefault(layer, []).append(_map_to_routes(m).view(S, 2, TOPK).transpose(0, 1))
-    return metrics, torch.stack([torch.cat(own[j]) for j in sorted(own)], 2)
+    maps, own = {}, {}
+    for layer, m, o in seen:  # per layer, the microbatches' maps [s, b, E] back to [n, s, k]
+        maps.setdefault(layer, []).append(_map_to_routes(m).view(S, 2, TOPK).transpose(0, 1))
+        own.setdefault(layer, []).append(o.view(S, 2, TOPK).transpose(0, 1))
+    stack = lambda d: torch.stack([torch.cat(d[j]) for j in sorted(d)], 2)  # noqa: E731
+    return metrics, stack(maps), stack(own)  # the routes taken, and the routers' own top-k
 
 
 def replay_worker():
@@ -152,8 +160,8 @@ def replay_worker():
         try:
             _step(chunks, opt, _batch(routes))
         except ValueError as e:
-            out["errors"][name] = str(e)
-    out["sampler"] = sampler_routes(chunks, opt)
+            out["errors"][name] = f"{type(e).__name__}: {e}"
+    out["unusable"] = unusable_routers(rand)
     out["grad"] = router_grad(_model(wrap_ddp=False)[0])  # unwrapped: the gradient lands in .grad
     dense, dopt = _model(num_moe_experts=None)
     try:
@@ -163,27 +171,42 @@ def replay_worker():
     return out
 
 
-def sampler_routes(chunks, opt):
-    """The demo's torch sampler (fp32) on the model's weights: its routes, and moe/route_mismatch
-    of a policy step given them (routing_replay off: measured only)."""
-    from megatron_cispo.config import LossConfig
-    from megatron_cispo.demo.sampler import Sampler
-    from megatron_cispo.runner.experiment import RolloutConfig
-    from megatron_cispo.runner.weights import gather_full_state
-    from megatron_cispo.step import Rollouts, StepConfig, policy_step
+def unusable_routers(rand):
+    """Routers without the seam (probe patched) and with CUDA graphs on: 'rollout' refused, 'off'
+    trains as if the rollouts had no routes."""
+    from megatron.core.utils import get_model_config
+
+    from megatron_cispo.step import routing_replay
 
     out = {}
-    for precision in ("fp32", "bf16"):
-        sampler = Sampler(_cfg(), RolloutConfig(precision=precision, prompts_per_step=4, group_size=2), seed=0)
-        sampler.sync(0, gather_full_state(chunks))
-        batch = sampler.rollouts(0)
-        layers: list = []
-        sampler.engine(0).logits(batch.tokens[:, :-1], routes=layers)  # one forward over every input position
-        rollouts = Rollouts(**batch.rollout_fields())
-        metrics = policy_step(chunks, opt, rollouts, LossConfig(), StepConfig(micro_batch_size=8)) \
-            if precision == "fp32" else None
-        out[precision] = {"routes": batch.routed_experts, "one_forward": torch.stack(layers, 2),
-                          "lengths": batch.lengths, "metrics": metrics}
+    saved = routing_replay._seam_missing
+    routing_replay._seam_missing = lambda: "no router_replay seam (test)"
+    try:
+        chunks, opt = _model()
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            try:
+                out["off"] = _step(chunks, opt, _batch(rand.clone()), mode="off")
+            except ValueError as e:
+                out["off"] = f"{type(e).__name__}: {e}"
+        out["said"] = [str(w.message) for w in said if "routing_replay" in str(w.message)]
+        out["installed"] = hasattr(chunks[0], routing_replay._ATTR)
+        try:
+            _step(chunks, opt, _batch(rand.clone()), mode="rollout")
+        except ValueError as e:
+            out["rollout"] = str(e)
+    finally:
+        routing_replay._seam_missing = saved
+    chunks, opt = _model()
+    tcfg = get_model_config(chunks[0])
+    tcfg.cuda_graph_impl = "local"  # refused before any forward: no capture, no GPU needed
+    try:
+        _step(chunks, opt, _batch(rand.clone()), mode="rollout")
+    except ValueError as e:
+        out["graphs"] = str(e)
+    finally:
+        tcfg.cuda_graph_impl = "none"
+    out["own"] = _step(*_model(), _batch(), mode="off")  # the same model without routes
     return out
 
 
@@ -221,7 +244,7 @@ def runs():
 
 
 def test_routes_recorded_from_the_model_replay_exactly_with_no_mismatch(runs):
-    metrics, trainer = runs["replay_recorded"]
+    metrics, trainer, _ = runs["replay_recorded"]
     assert torch.equal(trainer, runs["recorded"])
     assert metrics["moe/route_mismatch"] == 0.0 and metrics["moe/replay_fallbacks"] == 0.0
 
@@ -235,7 +258,7 @@ def _expected_mismatch(recorded, given):
 def test_given_routes_are_followed_and_fallback_tokens_keep_the_router_choice(runs):
     rec, rand = runs["recorded"], runs["random"]
     differs, routed = _expected_mismatch(rec, rand)
-    metrics, trainer = runs["replay_random"]
+    metrics, trainer, own = runs["replay_random"]
     assert torch.equal(trainer[routed], rand.sort(-1).values[routed])
     # layer 0 sees the same input as when recorded: its fallback tokens route as recorded (layer 1's
     # input changed with layer 0's replayed experts, so its own choice may differ from the record)
@@ -246,13 +269,18 @@ def test_given_routes_are_followed_and_fallback_tokens_keep_the_router_choice(ru
     # taken before replay, on layer 1's replayed input
     assert metrics["moe/route_mismatch_l0"] == pytest.approx(
         differs[:, :, 0].sum().item() / routed[:, :, 0].sum().item(), rel=1e-12)
-    assert 0.3 < metrics["moe/route_mismatch"] < 1.0
+    # layer 1's own top-k (by hand from its replayed input) against the given routes: the exact whole
+    assert torch.equal(own[:, :, 0], rec[:, :, 0])
+    own_differs, _ = _expected_mismatch(own, rand)
+    assert metrics["moe/route_mismatch"] == pytest.approx(own_differs.sum().item() / routed.sum().item(), rel=1e-12)
+    assert metrics["moe/route_mismatch_l1"] == pytest.approx(
+        own_differs[:, :, 1].sum().item() / routed[:, :, 1].sum().item(), rel=1e-12)
 
 
 def test_off_routes_as_the_router_does_and_counts_the_mismatch_exactly(runs):
     rec, rand = runs["recorded"], runs["random"]
     differs, routed = _expected_mismatch(rec, rand)
-    metrics, trainer = runs["measure_random"]
+    metrics, trainer, _ = runs["measure_random"]
     assert torch.equal(trainer, rec)
     assert metrics["moe/route_mismatch"] == pytest.approx(differs.sum().item() / routed.sum().item(), rel=1e-12)
     for j in range(LAYERS):
@@ -275,7 +303,7 @@ def test_the_reference_pass_replays_so_an_identical_reference_has_zero_kl(runs):
 
 
 def test_activation_recompute_replays_the_same_routes_in_the_backward(runs):
-    m, trainer = runs["recompute_random"]
+    m, trainer, _ = runs["recompute_random"]
     assert torch.equal(trainer[..., :], runs["replay_random"][1])
     assert m["moe/route_mismatch"] == runs["replay_random"][0]["moe/route_mismatch"]  # recompute not counted
     for k, v in runs["state_random"].items():
@@ -291,114 +319,38 @@ def test_the_router_weight_keeps_its_gradient_from_the_dense_scores(runs):
 
 def test_bad_routes_are_refused_naming_sample_layer_and_position(runs):
     e = runs["errors"]
-    assert e["range"].startswith("rollouts.routed_experts: sample ") and "expert 4 is outside [0, 4)" in e["range"]
-    assert "sample 2, MoE layer 1 (model layer 2), position 4: expert 1 appears twice" in e["dup"]
+    assert e["range"].startswith("BadRoutes: rollouts.routed_experts: sample ") and "expert 4 is outside [0, 4)" in e["range"]
+    assert "BadRoutes: " in e["dup"]
+    assert "sample 2 (global index), MoE layer 1 (model layer 2), position 4: expert 1 appears twice" in e["dup"]
     assert "expected [n, s, 2, 2]" in e["shape"]
     assert "rollouts carry no routed_experts" in e["none"]
     assert "the model is dense" in e["dense"]
 
 
-def _stub(**kw):
-    return SimpleNamespace(**{"num_layers": 3, "moe_layer_freq": 1, "moe_router_topk": 2, "num_moe_experts": 4,
-                              **kw})
+def test_off_on_routers_without_the_seam_ignores_the_routes_and_says_so_once(runs):
+    u = runs["unusable"]
+    assert not isinstance(u["off"], str), u["off"]  # not refused
+    metrics, trainer, _ = u["off"]
+    own_metrics, own_trainer, _ = u["own"]
+    assert not any(k.startswith("moe/route_mismatch") or "fallback" in k for k in metrics)
+    assert torch.equal(trainer, own_trainer)  # routed as without routes
+    assert metrics["policy/loss"] == own_metrics["policy/loss"]
+    assert not u["installed"]
+    assert len(u["said"]) == 1 and "routed_experts are ignored" in u["said"][0] and "no router_replay seam" in u["said"][0]
+    assert u["rollout"] == "loss.routing_replay='rollout': no router_replay seam (test)"
 
 
-def test_check_routes_by_hand():
-    ok = torch.tensor([[[[0, 1], [2, 3], [-1, -1]]]])  # [1, 1, 3, 2]
-    assert check_routes(ok, _stub()) is None
-    bad = ok.clone()
-    bad[0, 0, 2] = torch.tensor([-1, 5])  # a -1 token is unrouted, but 5 is still out of range
-    assert "sample 0, MoE layer 2 (model layer 3), position 0: expert 5 is outside [0, 4)" in check_routes(bad, _stub())
-    bad[0, 0, 2] = torch.tensor([-2, 1])
-    assert "expert -2 is outside" in check_routes(bad, _stub())
-    assert moe_layer_numbers(_stub(moe_layer_freq=2)) == [1, 3]
-    assert moe_layer_numbers(_stub(moe_layer_freq=[0, 1, 1])) == [2, 3]
-    assert "expected [n, s, 2, 2]" in check_routes(ok, _stub(moe_layer_freq=[0, 1, 1]))
+def test_rollout_with_cuda_graphs_is_refused_in_one_line(runs):
+    msg = runs["unusable"]["graphs"]
+    assert msg.startswith("loss.routing_replay='rollout': CUDA graphs are on (cuda_graph_impl='local')")
+    assert "\n" not in msg
 
 
-def test_the_torch_sampler_returns_the_routes_it_used(runs):
-    fp32 = runs["sampler"]["fp32"]
-    n, s = fp32["lengths"].shape[0], fp32["one_forward"].shape[1]
-    assert fp32["routes"].shape == (n, s, LAYERS, TOPK)
-    # prefill + one decode step per token equals one causal forward over the final tokens (fp32)
-    assert torch.equal(fp32["routes"], fp32["one_forward"])
-    # and the trainer's routers agree with it on every real token: mismatch 0, nothing to fall back
-    m = fp32["metrics"]
-    assert m["moe/route_mismatch"] == 0.0 and m["moe/replay_fallbacks"] == 0.0
-    assert runs["sampler"]["bf16"]["routes"].shape == (n, s, LAYERS, TOPK)
+def test_cuda_graph_settings_by_hand():
+    from megatron_cispo.step.routing_replay import cuda_graphs
 
-
-def test_a_bare_yaml_off_is_routing_replay_off():
-    """PyYAML reads `routing_replay: off` as False; the documented spelling must load."""
-    import yaml
-
-    from megatron_cispo.config import LossConfig, from_dict
-
-    assert from_dict(LossConfig, yaml.safe_load("routing_replay: off")).routing_replay == "off"
-    assert from_dict(LossConfig, {"routing_replay": "rollout"}).routing_replay == "rollout"
-    with pytest.raises(ValueError, match="routing_replay"):
-        from_dict(LossConfig, {"routing_replay": True})
-
-
-def hf_worker(path):
-    """The hf engine (transformers qwen3_moe) as sampler of a megatron model loaded from the same
-    checkpoint: its routes, and the trainer's moe/route_mismatch against them (fp32, replay off)."""
-    from megatron_cispo.config import LossConfig
-    from megatron_cispo.demo.sampler import Sampler
-    from megatron_cispo.runner import distributed
-    from megatron_cispo.runner.experiment import RolloutConfig
-    from megatron_cispo.runner.model import ModelConfig, build_model, build_optimizer
-    from megatron_cispo.runner.weights import gather_full_state
-    from megatron_cispo.step import Rollouts, StepConfig, policy_step
-
-    distributed.init_distributed()
-    mcfg = ModelConfig(hf_path=path)
-    chunks = build_model(mcfg, tp=1, pp=1, seed=3)
-    sampler = Sampler(mcfg, RolloutConfig(engine="hf", precision="fp32", prompts_per_step=4, group_size=2,
-                                          digits=3, staleness=0), seed=0)
-    sampler.sync(0, gather_full_state(chunks))
-    batch = sampler.rollouts(0)
-    metrics = policy_step(chunks, build_optimizer(chunks, lr=0.0, optimizer="sgd"), Rollouts(**batch.rollout_fields()),
-                          LossConfig(), StepConfig(micro_batch_size=8))
-    return {"routes": batch.routed_experts, "metrics": metrics, "top_k": mcfg.moe_router_topk}
-
-
-def test_the_hf_sampler_returns_routes_the_trainer_agrees_with(tmp_path):
-    from megatron_cispo.tools.make_tiny_hf import make_tiny_hf
-
-    res = spawn(hf_worker, 1, (str(make_tiny_hf("qwen3_moe", tmp_path / "q", seed=1)),), timeout_s=300)[0]
-    assert res["routes"].dim() == 4 and res["routes"].shape[-1] == res["top_k"]
-    assert res["metrics"]["moe/route_mismatch"] == 0.0
-
-
-def test_routes_are_checked_for_layout_and_travel_with_their_positions_through_packing_and_cp():
-    from megatron_cispo.step import Rollouts
-    from megatron_cispo.step.packing import Layout, packed_microbatches, padded_microbatches
-
-    g = torch.Generator().manual_seed(1)
-    n, s = 4, 9
-    tokens = torch.randint(0, V, (n, s + 1), generator=g)
-    lengths = torch.tensor([10, 5, 8, 3])
-    routes = torch.rand(n, s, LAYERS, EXPERTS, generator=g).argsort(-1)[..., :TOPK]
-    kw = dict(tokens=tokens, loss_mask=torch.ones(n, s, dtype=torch.bool) & (torch.arange(s) < lengths[:, None] - 1),
-              advantages=torch.ones(n), lengths=lengths)
-    with pytest.raises(ValueError, match=r"routed_experts must be an int \[n, s, moe_layers, top_k\] tensor with "
-                                         r"\[n, s\] = \(4, 9\).*got torch.int64 \(4, 10, 2, 2\)"):
-        Rollouts(**kw, routed_experts=torch.zeros(n, s + 1, LAYERS, TOPK, dtype=torch.long))
-    with pytest.raises(ValueError, match="routed_experts must be an int"):
-        Rollouts(**kw, routed_experts=routes.float())
-    batch = Rollouts(**kw, routed_experts=routes)
-    assert torch.equal(batch.rows(torch.tensor([2, 0])).routed_experts, routes[[2, 0]])
-    weights = (torch.zeros(n, s), torch.zeros(n, s))
-    flat = routes.reshape(n * s, LAYERS, TOPK)
-    mbs = [mb for r in range(2) for mb in packed_microbatches(batch, weights, [[0, 1], [2, 3]],
-                                                              layout=Layout(cp=2, cp_rank=r, pad_multiple=4))]
-    mbs += padded_microbatches(batch, weights, micro_batch_size=2, layout=Layout(pad_multiple=4))
-    pads = 0
-    for mb in mbs:
-        idx, got = mb.gather_index.reshape(-1), mb.routed_experts.reshape(-1, LAYERS, TOPK)
-        real = idx >= 0
-        assert torch.equal(got[real], flat[idx[real]])
-        assert (got[~real] == -1).all()  # padding: no route (the router's own)
-        pads += int((~real).sum())
-    assert pads > 0
+    assert cuda_graphs(SimpleNamespace(cuda_graph_impl="none")) is None
+    assert cuda_graphs(SimpleNamespace()) is None  # a megatron-core without the fields
+    assert cuda_graphs(SimpleNamespace(enable_cuda_graph=True, cuda_graph_impl="none")) == "enable_cuda_graph=True"
+    assert cuda_graphs(SimpleNamespace(external_cuda_graph=True)) == "external_cuda_graph=True"
+    assert cuda_graphs(SimpleNamespace(cuda_graph_impl="transformer_engine")) == "cuda_graph_impl='transformer_engine'"
