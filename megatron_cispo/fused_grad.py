@@ -19,9 +19,12 @@ Host syncs: one (plan_targets validates the targets), none per chunk (coef_fn's 
 Memory: one workspace: the chunk's [chunk_rows, v_local] logits in the compute dtype (overwritten
 by their gradient) plus fp32 scratch for (1 + entropy) blocks of CHUNK_BYTES (the elementwise
 passes run block by block); gh [N, h] in the compute dtype (summed over TP, then kept in hidden's
-dtype) and gw [v_local, h] (weight's dtype) held from forward to backward. gw sums the chunks in
-fp32: a bf16 weight also needs an fp32 [v_local, h] accumulator during forward (each chunk's part
-is added CHUNK_BYTES of vocabulary rows at a time).
+dtype) and the weight gradient's fp32 sum over the chunks [v_local, h] held from forward to
+backward (for a bf16 weight each chunk's part is added CHUNK_BYTES of vocabulary rows at a time).
+Backward adds g * that sum into megatron DDP's fp32 weight.main_grad where it exists (and returns
+a zero gradient so DDP's hook still runs), else returns it in the weight's dtype (a transient copy
+for bf16). fp16 hidden states or weight are refused: the gradients would be rounded to fp16
+before the loss scale (which arrives in backward) could protect them from underflow.
 """
 from __future__ import annotations
 
@@ -39,16 +42,25 @@ from .vocab_softmax import (CHUNK_BYTES, IGNORE_INDEX, Plan, chunk_grad, chunk_s
 CoefFn = Callable[[int, int, Tensor, "Tensor | None"], "tuple[Tensor, Tensor | None]"]
 
 
+def _chunk_bytes(device: torch.device) -> int:
+    """vocab_softmax.CHUNK_BYTES for this device type (CUDA's for any other accelerator)."""
+    return CHUNK_BYTES.get(device.type, CHUNK_BYTES["cuda"])
+
+
 class _StoredGrad(torch.autograd.Function):
     """z = 0.0 whose backward returns the gradients stored in forward, times z's incoming scalar
-    gradient (megatron's loss scale, or 1). AccumulateGrad then adds the weight's part to
-    weight.grad, where megatron DDP's per-parameter hook moves it to main_grad and starts the
-    overlapped reduce, as for any parameter."""
+    gradient (megatron's loss scale, or 1). The weight's gradient is kept as its fp32 sum over the
+    chunks. A weight with megatron DDP's fp32 `main_grad` gets g * sum added there directly (no
+    rounding to the weight's dtype) and a zero gradient back, so AccumulateGrad still fires DDP's
+    per-parameter hook, which adds param.grad (zero, plus a tied embedding's part) to main_grad and
+    starts the overlapped reduce. Unlike megatron's gradient_accumulation_fusion it does not set
+    grad_added_to_main_grad: with tied embeddings the hook would then drop the embedding's part of
+    the summed grad. Any other weight gets the gradient in its own dtype."""
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, gh: Tensor | None, gw: Tensor | None):
         ctx.set_materialize_grads(False)
-        ctx.grads = (gh, gw)
+        ctx.grads, ctx.weight = (gh, gw), weight  # gw: the fp32 [n_valid, h] sum
         return hidden.new_zeros((), dtype=torch.float32)
 
     @staticmethod
@@ -60,8 +72,23 @@ class _StoredGrad(torch.autograd.Function):
                                "gradients are handed over once (call fused_grad_logprobs again)")
         if g is None:
             return None, None, None, None
+        gh, acc = grads
+        weight = ctx.weight
+        ctx.weight = None
         # scaled in place: a second [v_local, h] buffer would cost as much as the weight gradient
-        gh, gw = (None if t is None else t.mul_(g.to(t.dtype)) for t in grads)
+        gh = None if gh is None else gh.mul_(g.to(gh.dtype))
+        gw = None
+        if acc is not None:
+            acc.mul_(g)
+            main = getattr(weight, "main_grad", None)
+            if main is not None and main.dtype == torch.float32 and main.shape == weight.shape:
+                main[:acc.shape[0]].add_(acc)
+                gw = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+            elif acc.shape[0] == weight.shape[0] and acc.dtype == weight.dtype:
+                gw = acc
+            else:  # vocabulary padding rows keep a zero gradient
+                gw = torch.zeros_like(weight)
+                gw[:acc.shape[0]].copy_(acc)
         return gh, gw, None, None
 
 
@@ -93,23 +120,23 @@ def _scratch(buf: Tensor, rows: int, nv: int, two: bool):
 
 def _run(x: Tensor, weight: Tensor, coef_fn: CoefFn, lt: Tensor, owned: Tensor, valid: Tensor, plan: Plan,
          head: _Head, need_h: bool, need_w: bool):
-    """lp [N], ent [N] or None, gh [N, h] (compute dtype, this rank's part) or None, gw or None."""
+    """lp [N], ent [N] or None, gh [N, h] (compute dtype, this rank's part) or None, and the fp32
+    weight gradient of the valid vocabulary rows [n_valid, h] or None."""
     n_rows, nv, cd, t = x.shape[0], plan.n_valid, head.compute, plan.temperature
     wc = weight[:nv].to(cd)  # a copy only when head_dtype differs from the weight's
     lp = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     ent = torch.empty_like(lp) if plan.entropy else None
     gh = torch.empty(x.shape, dtype=cd, device=x.device) if need_h else None
-    gw = torch.zeros_like(weight) if need_w else None  # padding rows keep a zero gradient
-    # the weight gradient sums over every chunk: in fp32, whatever the weight's dtype
-    acc = None if gw is None else gw[:nv] if gw.dtype == torch.float32 else torch.zeros(
-        (nv, weight.shape[1]), dtype=torch.float32, device=x.device)
+    # the weight gradient sums over every chunk in fp32, whatever the weight's dtype; the only
+    # [v_local, h]-sized buffer held from forward to backward (_StoredGrad forms the weight's grad)
+    acc = torch.zeros((nv, weight.shape[1]), dtype=torch.float32, device=x.device) if need_w else None
     # One workspace: the chunk's logits in the compute dtype (the GEMMs want many rows; they are
     # overwritten by the chunk's d loss / d logits), then fp32 scratch w (and p, with entropy) for
     # `sub` rows at a time, CHUNK_BYTES each: the elementwise passes stay cache-sized on CPU.
-    sub = max(1, min(plan.chunk_rows, CHUNK_BYTES.get(x.device.type, CHUNK_BYTES["cuda"]) // (4 * max(1, nv))))
+    sub = max(1, min(plan.chunk_rows, _chunk_bytes(x.device) // (4 * max(1, nv))))
     n_log = -(-plan.chunk_rows * nv * cd.itemsize // 4)  # fp32 elements holding the logits
     ws = workspace(n_log + (1 + plan.entropy) * sub * nv, x.device)
-    v_rows = max(1, CHUNK_BYTES.get(x.device.type, CHUNK_BYTES["cuda"]) // (4 * x.shape[1]))
+    v_rows = max(1, _chunk_bytes(x.device) // (4 * x.shape[1]))
     scratch = ws[n_log:]
     for r0, r1 in row_chunks(n_rows, plan.chunk_rows):  # every rank: the same rows, the same chunks
         rows = slice(r0, r1)
@@ -146,9 +173,7 @@ def _run(x: Tensor, weight: Tensor, coef_fn: CoefFn, lt: Tensor, owned: Tensor, 
                 acc[v0:v1].add_(logits[:, v0:v1].t() @ hc)
     if need_h and not nv:
         gh.zero_()
-    if gw is not None and gw.dtype != torch.float32:  # else acc is gw[:nv] itself
-        gw[:nv].copy_(acc)
-    return lp, ent, gh, gw
+    return lp, ent, gh, acc
 
 
 def fused_grad_logprobs(
@@ -173,7 +198,7 @@ def fused_grad_logprobs(
         no_grad and must not call a head itself (they share vocab_softmax's workspace).
     lp and ent carry no autograd graph. z's backward with incoming gradient g returns g * dL/dhidden
     (summed over TP as ColumnParallelLinear's backward does, hidden's dtype) and g * dL/dweight
-    (weight's dtype, summed over the chunks in fp32), computed in forward; only for inputs that
+    (summed over the chunks in fp32; into weight.main_grad where it exists), computed in forward; only for inputs that
     require grad (with grad mode on). See the module docstring for collectives and memory.
     """
     _, tp, rank = resolve_group(tp_group)
@@ -181,7 +206,7 @@ def fused_grad_logprobs(
     check_head_args(hidden, weight, targets, mask, tp, sp, head_dtype)
     if chunk_rows is None:
         per_row = 4 * max(1, weight.shape[0])
-        chunk_rows = max(_MIN_DEFAULT_CHUNK_ROWS, CHUNK_BYTES.get(hidden.device.type, CHUNK_BYTES["cuda"]) // per_row)
+        chunk_rows = max(_MIN_DEFAULT_CHUNK_ROWS, _chunk_bytes(hidden.device) // per_row)
     plan, lt, owned, valid = plan_targets(
         targets.long(), weight.shape[0], hidden.device, tp_group=tp_group, temperature=temperature,
         return_entropy=return_entropy, vocab_size=vocab_size, mask=mask, ignore_index=ignore_index,
@@ -189,6 +214,12 @@ def fused_grad_logprobs(
     head = _Head(head_dtype or hidden.dtype, sp, tp, rank)
     grad_on = torch.is_grad_enabled()
     need_h, need_w = grad_on and hidden.requires_grad, grad_on and weight.requires_grad
+    if (need_h or need_w) and torch.float16 in (hidden.dtype, weight.dtype):
+        # the gradients are formed here, before the loss scale arrives in z's backward: rounded to
+        # fp16 unscaled, small ones would underflow and the grad scaler could not protect them
+        raise ValueError(f"fused_grad_logprobs (loss.head=fused_grad): expected bf16 or fp32 hidden states and "
+                         f"weight, found {hidden.dtype} and {weight.dtype}; fp16 training (loss scaling) needs "
+                         "loss.head='fused' or 'logits'")
     with torch.no_grad():
         full = hidden
         if sp and plan.group is not None:  # [s/tp, b, h] -> [s, b, h]; freed after the loop

@@ -251,3 +251,39 @@ def test_elementwise_passes_in_sub_blocks_of_a_chunk_give_the_same_result(monkey
     monkeypatch.setitem(fused_grad.CHUNK_BYTES, "cpu", 4 * V * 2)  # 2 rows per block: blocks of 2, 2, 2, 1
     ref, ours, _ = _both(9, 2, case, entropy, vocab=V - PAD, temperature=0.7, chunk_rows=7)
     _assert_close(ref, ours, case)
+
+
+def test_fp16_with_a_gradient_is_refused_in_one_line():
+    """fp16 gradients formed in forward, before the loss scale, would underflow: refused."""
+    hidden, weight, t, mask, adv, anchor = _inputs(6, 2, torch.float32)
+    for h, w in ((hidden.half().requires_grad_(), weight), (hidden, weight.half().requires_grad_())):
+        with pytest.raises(ValueError, match=r"expected bf16 or fp32 .*fp16 training .*loss.head='fused'"):
+            fused_grad_logprobs(h, w, t, _coef_fn(adv, anchor, False, []), mask=mask,
+                                head_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("case", ["fp32", "bf16"])
+def test_weight_with_main_grad_gets_the_fp32_sum_there(case):
+    """A weight with megatron DDP's fp32 main_grad (and a hook that, like DDP's, adds param.grad to
+    it): after backward main_grad holds the gradient, summed in fp32 without rounding to the
+    weight's dtype, and the hook still fired (param.grad was handed over, zero)."""
+    ref, _, _ = _both(9, 2, case, False, vocab=V - PAD, chunk_rows=4)
+    hidden, weight, t, mask, adv, anchor = _inputs(9, 2, CASES[case][0], vocab=V - PAD)
+    w = weight.clone().requires_grad_()
+    w.main_grad = torch.full((V, H), 0.5)
+    fired = []
+
+    def hook(p):  # megatron DDP's per-parameter hook, in short
+        fired.append(p.grad.float().abs().max().item())
+        p.main_grad.add_(p.grad)
+        p.grad = None
+    w.register_post_accumulate_grad_hook(hook)
+    _, _, z = fused_grad_logprobs(hidden.requires_grad_(), w, t, _coef_fn(adv, anchor, False, []), mask=mask,
+                                  vocab_size=V - PAD, chunk_rows=4, head_dtype=CASES[case][1])
+    z.backward(torch.tensor(2.0))
+    assert fired == [0.0] and w.grad is None
+    tol = 2 * TOL[case][1] * ref[3].float().abs().max().item()
+    torch.testing.assert_close(w.main_grad - 0.5, 2 * ref[3].float(), rtol=0, atol=tol)
+    assert torch.equal(w.main_grad[V - PAD:], torch.full((PAD, H), 0.5))
+    if case == "bf16":  # the held sum is fp32: main_grad is finer than a bf16 gradient
+        assert not torch.equal((w.main_grad - 0.5).bfloat16().float(), w.main_grad - 0.5)

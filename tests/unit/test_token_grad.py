@@ -184,7 +184,7 @@ def test_plugins_and_kept_sets_fall_back_with_their_reason():
     assert "kept sets" in fused_grad_fallback(cfg_of(), False, kept_set=True)
 
 
-def _step_case(head, cfg_over, seed=5):
+def _step_case(head, cfg_over, seed=5, fused=True):
     """make_loss_func on a tiny fused-head microbatch with the policy step's weights, one process:
     (loss value, metrics, d loss / d hidden, d loss / d weight)."""
     from megatron_cispo.step import Microbatch
@@ -202,9 +202,10 @@ def _step_case(head, cfg_over, seed=5):
                     old_logprobs=-2.8 + torch.randn(b, s, generator=g),
                     ref_logprobs=-2.8 + torch.randn(b, s, generator=g), seq_index=torch.arange(b)[:, None].expand(b, s),
                     n_seqs=b, agg_weight=agg_weight, agg_share=share, loss_scale=0.7, num_tokens=torch.tensor(b * s),
-                    fused=FusedHead(weight, False))
+                    fused=FusedHead(weight, False) if fused else None)
     cfg = cfg_of(**cfg_over, loss_agg="seq_mean_token_mean", head=head)
-    loss, num_tokens, m = make_loss_func(cfg, vocab_size=v)(mb, hidden)
+    output = hidden if fused else hidden @ weight.t()  # no fused head: the model's logits
+    loss, num_tokens, m = make_loss_func(cfg, vocab_size=v)(mb, output)
     loss.backward()
     return loss.detach(), m.values(), hidden.grad, weight.grad
 
@@ -252,3 +253,21 @@ def test_step_runs_the_chunk_local_loss_unless_a_sequence_total_reaches_the_grad
     _step_case("fused_grad", over)
     assert seen[-1] == (2, 6)  # the value: the whole microbatch
     assert seen[:-1] == ([(1, 4)] * 3 if local else [(2, 6)] * 3), seen
+
+
+def test_fused_grad_without_an_output_layer_to_fuse_counts_the_logits_fallback():
+    """head=fused_grad, but the forward found no output layer (mb.fused None): the logits head ran,
+    and that is counted in head/fused_grad_fallback with its reason."""
+    import warnings
+
+    want = _step_case("logits", {}, fused=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = _step_case("fused_grad", {}, fused=False)
+    assert got[1].pop(KEY_FALLBACK) == 1.0
+    assert [str(w.message) for w in seen if "fused_grad" in str(w.message)] == [
+        "loss.head=fused_grad falls back to 'logits': no output layer was found to fuse (mb.fused is None): "
+        "the logits head ran"]
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    for a, b in zip(got[2:], want[2:]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
