@@ -74,8 +74,8 @@ class LayerReplay:
     padding): the routed tokens whose own top-k set differs from the given one, the routed
     tokens, and the fallbacks (tokens with a -1)."""
 
-    def __init__(self, moe_index: int, device):
-        self.moe_index, self.replace = moe_index, True
+    def __init__(self, moe_index: int, device, block_index: Optional[int] = None):
+        self.moe_index, self.block_index, self.replace = moe_index, block_index, True  # block_index: in its chunk
         self.routes: Optional[Tensor] = None
         self.valid: Optional[Tensor] = None
         self.counting = False
@@ -155,6 +155,9 @@ def install(chunk, config) -> list[LayerReplay]:
         raise ValueError(f"loss.routing_replay: {problem}")
     index = {n: j for j, n in enumerate(moe_layer_numbers(config))}
     device = next(chunk.parameters()).device
+    # each router's layer's index in its block (the chunk's decoder.layers): what 'block' recompute counts
+    position = {id(r): i for m in chunk.modules() if isinstance(getattr(m, "layers", None), torch.nn.ModuleList)
+                for i, layer in enumerate(m.layers) for r in layer.modules() if isinstance(r, TopKRouter)}
     out = []
     for router in (m for m in chunk.modules() if isinstance(m, TopKRouter)):
         if router.layer_number not in index:  # an MTP layer's router: not in the sampler's routes
@@ -162,20 +165,24 @@ def install(chunk, config) -> list[LayerReplay]:
         if getattr(router, "router_replay", None) is not None and not isinstance(router.router_replay, LayerReplay):
             raise ValueError("loss.routing_replay: the model was built with moe_enable_routing_replay; "
                              "turn it off (step.routing_replay sets the routers' replay itself)")
-        router.router_replay = LayerReplay(index[router.layer_number], device)
+        router.router_replay = LayerReplay(index[router.layer_number], device, position.get(id(router)))
         out.append(router.router_replay)
     setattr(chunk, _ATTR, out)
     return out
 
 
-def recomputes_router(config) -> bool:
-    """Whether megatron reruns the MoE router in the backward: full-layer recompute, or selective
-    with 'moe' (moe_layer.py; 'moe_act' reruns the expert activation only). Per model, not per
-    layer: with recompute_method='block' only a stage's first recompute_num_layers layers rerun,
-    and the other routers' FIFO entries are never popped; they hold their routes until the step
-    ends (RoutingReplay's exit empties every FIFO), a memory cost, not a wrong route."""
+def recomputes_router(config, block_index: Optional[int] = None) -> bool:
+    """Whether megatron reruns the MoE router of the layer at block_index (in its chunk's block;
+    None: unknown, taken as rerun) in the backward: full-layer recompute ('uniform': every layer;
+    'block': the block's first recompute_num_layers, transformer_block.py / recompute.py), or
+    selective with 'moe' (moe_layer.py; 'moe_act' reruns the expert activation only). Not
+    followed: fp8/fp4 'block' recompute shifting past layers whose input needs no gradient; a
+    route queued for a layer that does not rerun only waits until the step ends (a memory cost)."""
     granularity = getattr(config, "recompute_granularity", None)
-    return granularity == "full" or (granularity == "selective" and "moe" in (config.recompute_modules or ()))
+    if granularity == "full":
+        return (getattr(config, "recompute_method", None) != "block" or block_index is None
+                or block_index < (config.recompute_num_layers or 0))
+    return granularity == "selective" and "moe" in (config.recompute_modules or ())
 
 
 def local_routes(routes: Tensor, padding_mask: Optional[Tensor], config) -> tuple[Tensor, Tensor]:
@@ -206,9 +213,9 @@ def replay_routes(model, mb) -> Iterator[None]:
     config = get_model_config(model)
     layers = install(model, config)
     routes, valid = local_routes(mb.routed_experts, mb.padding_mask, config)
-    recompute = recomputes_router(config)
     for layer in layers:
-        layer.set(routes[:, layer.moe_index], valid, training=model.training, recompute=recompute)
+        layer.set(routes[:, layer.moe_index], valid, training=model.training,
+                  recompute=recomputes_router(config, layer.block_index))
     try:
         yield
     finally:

@@ -101,8 +101,9 @@ def _step(chunks, opt, batch, mode="rollout", old_pass="auto", recompute=False, 
     hooks = _watch(chunks, seen)
     from megatron.core.utils import get_model_config
     tcfg = get_model_config(chunks[0])
-    if recompute:
-        tcfg.recompute_granularity, tcfg.recompute_method, tcfg.recompute_num_layers = "full", "uniform", 1
+    if recompute:  # True: every layer reruns; "block": only the first (recompute_num_layers=1)
+        tcfg.recompute_granularity, tcfg.recompute_num_layers = "full", 1
+        tcfg.recompute_method = "block" if recompute == "block" else "uniform"
     try:
         loss = {"routing_replay": mode, **({"kl": {"coef": 0.1}} if ref is not None else {})}
         metrics = policy_step(chunks, opt, batch, from_dict(LossConfig, loss),
@@ -152,6 +153,17 @@ def replay_worker():
     out["recompute_random"] = _step(chunks, opt, _batch(rand.clone()), old_pass="always", recompute=True,
                                     ref=_model()[0])
     out["state_recompute"] = gather_full_state(chunks)
+    chunks, opt = _model()  # 'block' recompute of layer 0 only: layer 1's router queues nothing
+    queued = {}
+    saved = routing_replay.LayerReplay.set
+    routing_replay.LayerReplay.set = lambda self, *a, **kw: (saved(self, *a, **kw), queued.setdefault(
+        self.moe_index, []).append(len(self.fifo)))[0]
+    try:
+        out["block_random"] = _step(chunks, opt, _batch(rand.clone()), old_pass="always", recompute="block",
+                                    ref=_model()[0])
+    finally:
+        routing_replay.LayerReplay.set = saved
+    out["block_queued"], out["state_block"] = queued, gather_full_state(chunks)
     out["errors"] = {}
     for name, routes in (("range", torch.where(rand == 3, 4, rand)), ("dup", rand.clone()),
                          ("shape", rand[:, :, :1].clone()), ("none", None)):
@@ -308,6 +320,28 @@ def test_activation_recompute_replays_the_same_routes_in_the_backward(runs):
     assert m["moe/route_mismatch"] == runs["replay_random"][0]["moe/route_mismatch"]  # recompute not counted
     for k, v in runs["state_random"].items():
         torch.testing.assert_close(runs["state_recompute"][k], v, rtol=0, atol=1e-6, msg=k)
+
+
+def test_block_recompute_queues_routes_only_for_the_layers_it_reruns(runs):
+    m, trainer, _ = runs["block_random"]
+    assert torch.equal(trainer, runs["replay_random"][1])
+    q = runs["block_queued"]  # FIFO length after each set: layer 0 queues per training forward, layer 1 never
+    assert max(q[0]) >= 1 and max(q[1]) == 0
+    for k, v in runs["state_random"].items():
+        torch.testing.assert_close(runs["state_block"][k], v, rtol=0, atol=1e-6, msg=k)
+
+
+def test_recomputes_router_by_hand():
+    from megatron_cispo.step.routing_replay import recomputes_router
+
+    full = dict(recompute_granularity="full", recompute_num_layers=2, recompute_modules=None)
+    assert recomputes_router(SimpleNamespace(**full, recompute_method="uniform"), 5)
+    block = SimpleNamespace(**full, recompute_method="block")
+    assert [recomputes_router(block, i) for i in (0, 1, 2, None)] == [True, True, False, True]
+    sel = dict(recompute_granularity="selective", recompute_method=None, recompute_num_layers=None)
+    assert recomputes_router(SimpleNamespace(**sel, recompute_modules=["moe"]), 3)
+    assert not recomputes_router(SimpleNamespace(**sel, recompute_modules=["moe_act"]), 0)
+    assert not recomputes_router(SimpleNamespace(recompute_granularity=None), 0)
 
 
 def test_the_router_weight_keeps_its_gradient_from_the_dense_scores(runs):
