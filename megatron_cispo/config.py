@@ -204,7 +204,8 @@ class LossConfig:
         "chose (rollouts.routed_experts; a token without a route keeps the router's own), with the router "
         "weights taken from the dense scores so they still train; 'off' routes as the router does and, "
         "when the rollouts carry routes, only measures moe/route_mismatch. 'rollout' needs an MoE model "
-        "and routes from the sampler (docs/algorithm.md).")
+        "and routes from the sampler, and is refused where the router cannot take them (moe_router_fusion, "
+        "sinkhorn, CUDA graphs), where 'off' ignores the routes (docs/algorithm.md).")
     cispo: CispoConfig = config_field(factory=CispoConfig, doc="CISPO loss settings.")
     ppo: PPOConfig = config_field(factory=PPOConfig, doc="PPO clipped-surrogate settings.")
     rollout_is: RolloutISConfig = config_field(factory=RolloutISConfig, doc="rollout_is loss settings.")
