@@ -196,7 +196,7 @@ def make_forward_step(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_s
 
     def forward_step(data_iterator, model):
         if not checked:  # an in-house loop may have skipped Megatron-LM's train() hooks
-            check_megatron_config([model])
+            check_megatron_config([model], head=loss_cfg.head)
             checked.append(True)
         return step(data_iterator, model)
     return forward_step

@@ -93,7 +93,7 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
     """
     from megatron.core import parallel_state as mpu
 
-    check_megatron_config(chunks)
+    check_megatron_config(chunks, head=loss_cfg.head)
     check_loss_config(loss_cfg)
     shape = check_batch(chunks, batch, loss_cfg, step_cfg, ref_chunks=ref_chunks)
     calls = [] if calls is None else calls

@@ -271,3 +271,18 @@ def test_fused_grad_without_an_output_layer_to_fuse_counts_the_logits_fallback()
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
     for a, b in zip(got[2:], want[2:]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_fused_grad_refuses_an_fp16_model_config_in_one_line():
+    """fp16: the gradients formed in forward would be rounded to fp16 before the loss scale."""
+    import types
+
+    from megatron_cispo.step import check_megatron_config
+
+    config = types.SimpleNamespace(calculate_per_token_loss=True, fp16=True, grad_scale_func=abs, no_sync_func=None,
+                                   finalize_model_grads_func=print)
+    chunk = types.SimpleNamespace(config=config, ddp_config=types.SimpleNamespace(
+        average_in_collective=False, overlap_grad_reduce=False))
+    check_megatron_config([chunk], head="fused")
+    with pytest.raises(ValueError, match=r"^loss.head=fused_grad does not support fp16 \(got TransformerConfig.fp16"):
+        check_megatron_config([chunk], head="fused_grad")
