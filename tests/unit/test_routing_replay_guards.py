@@ -55,6 +55,13 @@ def unusable_routers(rand):
         out["graphs"] = str(e)
     finally:
         tcfg.cuda_graph_impl = "none"
+    chunks, opt = _model()
+    tcfg = get_model_config(chunks[0])
+    balancing, tcfg.moe_router_load_balancing_type = tcfg.moe_router_load_balancing_type, "sinkhorn"
+    try:  # read by the check only: the router chose its routing when built
+        out["sinkhorn"] = _step(chunks, opt, _batch(rand.clone()), mode="off")
+    finally:
+        tcfg.moe_router_load_balancing_type = balancing
     out["own"] = _step(*_model(), _batch(), mode="off")  # the same model without routes
     return out
 
@@ -80,6 +87,13 @@ def test_off_on_routers_without_the_seam_ignores_the_routes_and_says_so_once():
     assert not u["installed"]
     assert len(u["said"]) == 1 and "routed_experts are ignored" in u["said"][0] and "no router_replay seam" in u["said"][0]
     assert u["rollout"] == "loss.routing_replay='rollout': no router_replay seam (test)"
+
+
+def test_off_with_a_sinkhorn_config_ignores_the_routes():
+    u = _runs()["unusable"]
+    metrics, trainer, _ = u["sinkhorn"]
+    assert not any(k.startswith("moe/route_mismatch") for k in metrics)
+    assert torch.equal(trainer, u["own"][1]) and metrics["policy/loss"] == u["own"][0]["policy/loss"]
 
 
 def test_rollout_with_cuda_graphs_is_refused_in_one_line():
