@@ -195,7 +195,8 @@ class LossConfig:
         "logprobs chunk by chunk (fused_token_logprobs), so the [tokens, vocab/tp] logits never exist; "
         "'fused_grad' is 'fused' that also computes the loss's gradient in the forward (three GEMMs, no "
         "recompute; losses whose gradient needs a whole sequence first fall back to 'fused', counted in "
-        "head/fused_grad_fallback; docs/algorithm.md).")
+        "head/fused_grad_fallback; refused with fp16, whose loss scale arrives only in backward; "
+        "docs/algorithm.md).")
     head_fp32: bool = config_field(
         False, "Fused heads only: run its matmul in fp32 from bf16 parameters (ScaleRL's fp32 LM head).")
     routing_replay: Literal["off", "rollout"] = config_field(
