@@ -11,6 +11,8 @@ import torch
 
 from megatron_cispo.testing import spawn
 
+from head_helpers import counting_collectives, rel_to_whole
+
 S, B, H, CHUNK = 8, 2, 16, 3  # 16 rows in chunks of 3: 6 chunks, the last one short
 # Padded to the next multiple of 8 * tp: 96 never, 83 always, 20 leaves rank 3 of 4 all padding.
 VOCABS = (96, 83, 20)
@@ -66,11 +68,9 @@ def _case(tp, group, rank, single, vocab, sp, dtype_name, count):
     z.backward()
     ref_gh = h.grad[rank * sl:(rank + 1) * sl] if sp else h.grad
 
-    def rel(a, b, full):  # relative to the whole gradient's largest entry: a shard may be all zeros
-        return ((a.float() - b.float()).abs().max() / full.float().abs().max()).item()
-
     return {"lp": (lp - lp_r).abs().max().item(), "ent": (ent - ent_r).abs().max().item(),
-            "grad_hidden_rel": rel(h2.grad, ref_gh, h.grad), "grad_weight_rel": rel(w2.grad, w.grad[rows], w.grad),
+            "grad_hidden_rel": rel_to_whole(h2.grad, ref_gh, h.grad),
+            "grad_weight_rel": rel_to_whole(w2.grad, w.grad[rows], w.grad),
             "grad_dtypes": (h2.grad.dtype, w2.grad.dtype), "grad_shape": tuple(h2.grad.shape),
             "padding_grad_zero": bool((w2.grad[max(0, vocab - rank * vl):] == 0).all()),
             "seen_rows": [(r0, r1) for r0, r1, *_ in seen],
@@ -88,25 +88,8 @@ def _worker():
     rank = env.rank
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     singles = [dist.new_group([r]) for r in range(4)]
-    count: list = []
-    real = (dist.all_reduce, fused_head._all_gather, fused_head._reduce_scatter,
-            fused_head._reduce_scatter_via_all_reduce)
-
-    def all_reduce(*a, **k):
-        count.append(str(k.get("op", dist.ReduceOp.SUM)).rsplit(".", 1)[-1])
-        return real[0](*a, **k)
-
-    def all_gather(*a, **k):
-        count.append("all_gather")
-        return real[1](*a, **k)
-
-    def reduce_scatter(*a, **k):
-        count.append("reduce_scatter")
-        return real[2](*a, **k)
-
-    dist.all_reduce = all_reduce
-    fused_head._all_gather, fused_head._reduce_scatter = all_gather, reduce_scatter
-    try:
+    real_rs_via_all_reduce = fused_head._reduce_scatter_via_all_reduce
+    with counting_collectives() as count:
         results = {}
         for tp, group, trank in [(4, None, rank), (2, pairs[rank // 2], rank % 2)]:  # None: megatron's
             for vocab in VOCABS:
@@ -120,9 +103,7 @@ def _worker():
                 results[(tp, 83, True, "fp32", "native")] = _case(tp, group, trank, singles[rank], 83, True,
                                                                   "fp32", count)
             finally:
-                fused_head._reduce_scatter_via_all_reduce = real[3]
-    finally:
-        dist.all_reduce, fused_head._all_gather, fused_head._reduce_scatter = real[:3]
+                fused_head._reduce_scatter_via_all_reduce = real_rs_via_all_reduce
     return results
 
 

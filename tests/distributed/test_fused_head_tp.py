@@ -11,6 +11,8 @@ import torch
 
 from megatron_cispo.testing import spawn
 
+from head_helpers import counting_collectives, rel_to_whole
+
 S, B, H = 8, 2, 16
 # Padded to the next multiple of 8 * tp: 96 never, 83 always, 20 leaves rank 3 of 4 all padding.
 VOCABS = (96, 83, 20)
@@ -69,11 +71,9 @@ def _case(tp, group, rank, single, vocab, sp, dtype_name, count):
     ref_gh = ref[2][rank * sl:(rank + 1) * sl] if sp else ref[2]
     ref_gw = ref[3][rows]
 
-    def rel(a, b, full):  # relative to the whole gradient's largest entry: a shard may be all zeros
-        return ((a.float() - b.float()).abs().max() / full.float().abs().max()).item()
-
     return {"lp": (ours[0] - ref[0]).abs().max().item(), "ent": (ours[1] - ref[1]).abs().max().item(),
-            "grad_hidden_rel": rel(ours[2], ref_gh, ref[2]), "grad_weight_rel": rel(ours[3], ref_gw, ref[3]),
+            "grad_hidden_rel": rel_to_whole(ours[2], ref_gh, ref[2]),
+            "grad_weight_rel": rel_to_whole(ours[3], ref_gw, ref[3]),
             "grad_dtypes": (str(ours[2].dtype), str(ours[3].dtype)),
             "grad_shapes": (tuple(ours[2].shape), tuple(ours[3].shape)),
             "padding_grad_zero": bool((ours[3][max(0, vocab - rank * vl):] == 0).all()),
@@ -90,25 +90,8 @@ def _worker():
     rank = env.rank
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     singles = [dist.new_group([r]) for r in range(4)]
-    count: list = []
-    real = (dist.all_reduce, fused_head._all_gather, fused_head._reduce_scatter,
-            fused_head._reduce_scatter_via_all_reduce)
-
-    def all_reduce(*a, **k):
-        count.append(str(k.get("op", dist.ReduceOp.SUM)).rsplit(".", 1)[-1])
-        return real[0](*a, **k)
-
-    def all_gather(*a, **k):
-        count.append("all_gather")
-        return real[1](*a, **k)
-
-    def reduce_scatter(*a, **k):
-        count.append("reduce_scatter")
-        return real[2](*a, **k)
-
-    dist.all_reduce = all_reduce
-    fused_head._all_gather, fused_head._reduce_scatter = all_gather, reduce_scatter
-    try:
+    real_rs_via_all_reduce = fused_head._reduce_scatter_via_all_reduce
+    with counting_collectives() as count:
         results = {}
         layouts = [(4, None, rank), (2, pairs[rank // 2], rank % 2), (1, singles[rank], 0)]
         for tp, group, trank in layouts:  # group None: megatron's TP group, the default
@@ -123,9 +106,7 @@ def _worker():
                     results[(tp, vocab, True, "fp32", "native")] = _case(
                         tp, group, trank, singles[rank], vocab, True, "fp32", count)
                 finally:
-                    fused_head._reduce_scatter_via_all_reduce = real[3]
-    finally:
-        dist.all_reduce, fused_head._all_gather, fused_head._reduce_scatter = real[:3]
+                    fused_head._reduce_scatter_via_all_reduce = real_rs_via_all_reduce
     return results
 
 

@@ -3,12 +3,12 @@ and weight the same gradients as a separable policy loss through fused_token_log
 for every option; coef_fn sees each row once, in order; the logits never exist."""
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from megatron_cispo.fused_grad import fused_grad_logprobs
 from megatron_cispo.fused_head import fused_token_logprobs
 from megatron_cispo.vocab_softmax import release_workspace
+
+from peak_storage import PeakStorage
 
 H, V, PAD = 16, 200, 9  # the last PAD weight rows are vocabulary padding in the padded cases
 CLIP, ENT_W = 1.2, 0.01
@@ -168,21 +168,6 @@ def test_frozen_inputs_and_no_grad_skip_the_gradient_work():
     assert w.grad is not None and w.grad.abs().max() > 0
 
 
-class _PeakStorage(TorchDispatchMode):
-    """Records the largest storage (bytes) behind any tensor an op returns, views included."""
-
-    def __init__(self):
-        super().__init__()
-        self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for x in tree_leaves(out):
-            if isinstance(x, torch.Tensor):
-                self.peak = max(self.peak, x.untyped_storage().nbytes())
-        return out
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_are_never_materialised(case):
     dtype, head_dtype = CASES[case]
@@ -192,7 +177,7 @@ def test_logits_are_never_materialised(case):
     w = torch.randn(v, 8, generator=g).to(dtype).requires_grad_()
     t = torch.randint(0, v, (s, b), generator=g)
     release_workspace()  # so the chunk workspace is allocated, and counted, inside the mode
-    with _PeakStorage() as mode:
+    with PeakStorage() as mode:
         _, _, z = fused_grad_logprobs(h, w, t, lambda r0, r1, lp, ent: (-lp, -torch.ones_like(ent)),
                                       return_entropy=True, chunk_rows=chunk, head_dtype=head_dtype)
         z.backward()

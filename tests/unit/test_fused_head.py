@@ -3,12 +3,12 @@ token_logprobs(F.linear(hidden, weight)), for every option, with the logits neve
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from megatron_cispo.fused_head import fused_token_logprobs
 from megatron_cispo.logprobs import token_logprobs
 from megatron_cispo.vocab_softmax import release_workspace
+
+from peak_storage import PeakStorage
 
 S, B, H, V = 6, 4, 16, 200
 
@@ -138,21 +138,6 @@ def test_frozen_weight_or_frozen_hidden_and_no_grad_forward():
     assert h.grad is not None and w.grad is not None
 
 
-class _PeakStorage(TorchDispatchMode):
-    """Records the largest storage (bytes) behind any tensor an op returns, views included."""
-
-    def __init__(self):
-        super().__init__()
-        self.peak = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for x in tree_leaves(out):
-            if isinstance(x, torch.Tensor):
-                self.peak = max(self.peak, x.untyped_storage().nbytes())
-        return out
-
-
 @pytest.mark.parametrize("dtype, head_dtype", [(torch.float32, None), (torch.bfloat16, None),
                                               (torch.bfloat16, torch.float32)])
 def test_logits_are_never_materialised_in_forward_or_backward(dtype, head_dtype):
@@ -163,10 +148,10 @@ def test_logits_are_never_materialised_in_forward_or_backward(dtype, head_dtype)
     for name, fn in (("fused", fused_token_logprobs), ("linear", _reference)):
         release_workspace()  # so the chunk workspace is allocated, and counted, inside the mode
         hl, wl = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        with _PeakStorage() as fwd:
+        with PeakStorage() as fwd:
             out = fn(hl, wl, t, return_entropy=True, temperature=0.8, chunk_rows=chunk,
                      head_dtype=head_dtype)
-        with _PeakStorage() as bwd:
+        with PeakStorage() as bwd:
             _loss(out, True).backward()
         peaks[name] = (fwd.peak, bwd.peak)
     release_workspace()
