@@ -11,7 +11,7 @@ import torch
 
 from megatron_cispo.testing import spawn
 
-from head_helpers import counting_collectives, rel_to_whole
+from head_helpers import rel_to_whole, run_tp_layouts, select_cases
 
 S, B, H, CHUNK = 8, 2, 16, 3  # 16 rows in chunks of 3: 6 chunks, the last one short
 # Padded to the next multiple of 8 * tp: 96 never, 83 always, 20 leaves rank 3 of 4 all padding.
@@ -79,45 +79,12 @@ def _case(tp, group, rank, single, vocab, sp, dtype_name, count):
 
 
 def _worker():
-    import torch.distributed as dist
-
-    from megatron_cispo import fused_head
-    from megatron_cispo.runner import distributed
-
-    env = distributed.init_distributed(tp=4)
-    rank = env.rank
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    singles = [dist.new_group([r]) for r in range(4)]
-    real_rs_via_all_reduce = fused_head._reduce_scatter_via_all_reduce
-    with counting_collectives() as count:
-        results = {}
-        for tp, group, trank in [(4, None, rank), (2, pairs[rank // 2], rank % 2)]:  # None: megatron's
-            for vocab in VOCABS:
-                for sp in (False, True):
-                    for name in DTYPES:
-                        results[(tp, vocab, sp, name, "gloo")] = _case(
-                            tp, group, trank, singles[rank], vocab, sp, name, count)
-            # the reduce-scatter that NCCL runs, where this torch's gloo has it too
-            fused_head._reduce_scatter_via_all_reduce = lambda g: False
-            try:
-                results[(tp, 83, True, "fp32", "native")] = _case(tp, group, trank, singles[rank], 83, True,
-                                                                  "fp32", count)
-            finally:
-                fused_head._reduce_scatter_via_all_reduce = real_rs_via_all_reduce
-    return results
+    return run_tp_layouts(_case, (4, 2), VOCABS, DTYPES, native_vocabs=(83,))
 
 
 @pytest.fixture(scope="module")
 def results():
     return spawn(_worker, 4, timeout_s=300)
-
-
-def _cases(results, **want):
-    for rank, res in enumerate(results):
-        for key, r in res.items():
-            case = dict(zip(("tp", "vocab", "sp", "dtype", "path"), key))
-            if all(case[k] == v for k, v in want.items()):
-                yield (rank, key), r
 
 
 # values: fp32 math on the same logits; gradients relative to the largest entry: fp32 to
@@ -130,7 +97,7 @@ TOL = {"fp32": (1e-5, 1e-5), "bf16": (1e-5, 2 ** -6)}
 @pytest.mark.parametrize("tp", [2, 4])
 def test_values_entropy_and_both_grads_match_one_process(results, tp, sp, dtype):
     value_tol, grad_tol = TOL[dtype]
-    for where, r in _cases(results, tp=tp, sp=sp, dtype=dtype):
+    for where, r in select_cases(results, tp=tp, sp=sp, dtype=dtype):
         assert r["lp"] < value_tol and r["ent"] < value_tol, (where, r)
         assert r["grad_hidden_rel"] < grad_tol and r["grad_weight_rel"] < grad_tol, (where, r)
         assert r["padding_grad_zero"], (where, r)
@@ -141,7 +108,7 @@ def test_values_entropy_and_both_grads_match_one_process(results, tp, sp, dtype)
 def test_every_rank_runs_the_same_chunks_and_coef_fn_sees_the_same_values(results, tp):
     chunks = [(r0, min(S * B, r0 + CHUNK)) for r0 in range(0, S * B, CHUNK)]
     by_key = {}
-    for (rank, key), r in _cases(results, tp=tp):
+    for (rank, key), r in select_cases(results, tp=tp):
         assert r["seen_rows"] == chunks, (rank, key)
         by_key.setdefault(key, []).append((rank, r))
     for key, ranks in by_key.items():  # the ranks of one TP group: ranks r and r % tp share it
@@ -157,7 +124,7 @@ def test_every_rank_runs_the_same_chunks_and_coef_fn_sees_the_same_values(result
 @pytest.mark.parametrize("tp", [2, 4])
 def test_collectives_per_chunk_max_and_sum_then_one_hidden_grad_sum_none_in_backward(results, tp):
     n_chunks = -(-S * B // CHUNK)
-    for where, r in _cases(results, tp=tp):
+    for where, r in select_cases(results, tp=tp):
         sp, path = where[1][2], where[1][4]
         fwd, bwd = r["collectives"]
         grad_sum = ["reduce_scatter"] if path == "native" else ["SUM"]  # gloo: all-reduce, then a slice
@@ -167,5 +134,5 @@ def test_collectives_per_chunk_max_and_sum_then_one_hidden_grad_sum_none_in_back
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_native_reduce_scatter_path_matches_too(results, tp):
-    for where, r in _cases(results, tp=tp, path="native"):
+    for where, r in select_cases(results, tp=tp, path="native"):
         assert r["lp"] < 1e-5 and r["grad_hidden_rel"] < 1e-5 and r["grad_weight_rel"] < 1e-5, (where, r)

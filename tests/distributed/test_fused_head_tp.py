@@ -11,7 +11,7 @@ import torch
 
 from megatron_cispo.testing import spawn
 
-from head_helpers import counting_collectives, rel_to_whole
+from head_helpers import rel_to_whole, run_tp_layouts, select_cases
 
 S, B, H = 8, 2, 16
 # Padded to the next multiple of 8 * tp: 96 never, 83 always, 20 leaves rank 3 of 4 all padding.
@@ -81,46 +81,12 @@ def _case(tp, group, rank, single, vocab, sp, dtype_name, count):
 
 
 def _worker():
-    import torch.distributed as dist
-
-    from megatron_cispo import fused_head
-    from megatron_cispo.runner import distributed
-
-    env = distributed.init_distributed(tp=4)
-    rank = env.rank
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    singles = [dist.new_group([r]) for r in range(4)]
-    real_rs_via_all_reduce = fused_head._reduce_scatter_via_all_reduce
-    with counting_collectives() as count:
-        results = {}
-        layouts = [(4, None, rank), (2, pairs[rank // 2], rank % 2), (1, singles[rank], 0)]
-        for tp, group, trank in layouts:  # group None: megatron's TP group, the default
-            for vocab in VOCABS:
-                for sp in (False, True):
-                    for name in DTYPES:
-                        results[(tp, vocab, sp, name, "gloo")] = _case(
-                            tp, group, trank, singles[rank], vocab, sp, name, count)
-                # the reduce-scatter that NCCL runs, where this torch's gloo has it too
-                fused_head._reduce_scatter_via_all_reduce = lambda g: False
-                try:
-                    results[(tp, vocab, True, "fp32", "native")] = _case(
-                        tp, group, trank, singles[rank], vocab, True, "fp32", count)
-                finally:
-                    fused_head._reduce_scatter_via_all_reduce = real_rs_via_all_reduce
-    return results
+    return run_tp_layouts(_case, (4, 2, 1), VOCABS, DTYPES, native_vocabs=VOCABS)
 
 
 @pytest.fixture(scope="module")
 def results():
     return spawn(_worker, 4, timeout_s=300)
-
-
-def _cases(results, **want):
-    for rank, res in enumerate(results):
-        for key, r in res.items():
-            case = dict(zip(("tp", "vocab", "sp", "dtype", "path"), key))
-            if all(case[k] == v for k, v in want.items()):
-                yield (rank, key), r
 
 
 # values: both paths do fp32 math on the same logits; gradients, relative to the largest entry:
@@ -134,7 +100,7 @@ TOL = {"fp32": (1e-5, 1e-5), "bf16": (1e-5, 2 ** -6), "bf16_fp32_head": (1e-5, 2
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_values_entropy_and_both_grads_match_one_process(results, tp, sp, dtype):
     value_tol, grad_tol = TOL[dtype]
-    for where, r in _cases(results, tp=tp, sp=sp, dtype=dtype):
+    for where, r in select_cases(results, tp=tp, sp=sp, dtype=dtype):
         assert r["lp"] < value_tol and r["ent"] < value_tol, (where, r)
         assert r["grad_hidden_rel"] < grad_tol and r["grad_weight_rel"] < grad_tol, (where, r)
         assert r["padding_grad_zero"], (where, r)
@@ -145,14 +111,14 @@ def test_values_entropy_and_both_grads_match_one_process(results, tp, sp, dtype)
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_native_reduce_scatter_path_matches_too(results, tp):
-    for where, r in _cases(results, tp=tp, path="native"):
+    for where, r in select_cases(results, tp=tp, path="native"):
         assert r["lp"] < 1e-5 and r["grad_hidden_rel"] < 1e-5 and r["grad_weight_rel"] < 1e-5, (where, r)
         assert r["collectives"][1] == ["all_gather", "reduce_scatter"], (where, r)  # SP: re-gather, as megatron
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_collectives_forward_max_and_packed_sum_backward_one_hidden_grad_sum(results, tp):
-    for where, r in _cases(results, tp=tp, path="gloo"):
+    for where, r in select_cases(results, tp=tp, path="gloo"):
         sp = where[1][2]
         fwd, bwd = r["collectives"]
         if tp == 1:
