@@ -50,7 +50,7 @@ setup(
         "hf": HF,
         "data": DATA,
         "vllm": VLLM,
-        "test": ["pytest>=8", "hypothesis>=6", *HF, *DATA],
+        "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6", *HF, *DATA],  # xdist: .ci/run's unit tests
         "plot": ["matplotlib>=3.7"],
         "tensorboard": ["tensorboard"],
         # NVIDIA Apex is built from source (github NVIDIA/apex); the PyPI "apex" is unrelated.
