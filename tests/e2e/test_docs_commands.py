@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from e2e_helpers import ROOT, env
+from megatron_cispo.train import main
 from readme_helpers import doc_commands
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -60,20 +61,26 @@ YAML_RUNS = [(d, c) for d, c in COMMANDS if re.search(r"yaml_configs/[\w.]+\.yam
 
 
 @pytest.mark.parametrize("doc,cmd", YAML_RUNS, ids=[f"{d}:{c[:50]}" for d, c in YAML_RUNS])
-def test_documented_yaml_run_passes_check_at_its_world_size(doc, cmd, shipped_env):
+def test_documented_yaml_run_passes_check_at_its_world_size(doc, cmd, shipped_env, monkeypatch, capsys):
+    """`train --check` in this process (train.main, what `python -m megatron_cispo.train --check` runs): a
+    subprocess per documented command cost an interpreter and torch import each (docs/testing.md);
+    test_cli_errors.py runs the module as a subprocess."""
     words = shlex.split(cmd)
     config = next(w for w in words if re.match(r"yaml_configs/[\w.]+\.yaml$", w))
     overrides = [w for w in words[words.index(config) + 1:] if re.match(r"^[a-z_]+(\.[a-z_]+)+=", w)]
     world = _world_size(words)
-    proc = subprocess.run([sys.executable, "-m", "megatron_cispo.train", "--check", config, *overrides,
-                           "--world-size", str(world)], cwd=ROOT, env={**env(), **shipped_env(ROOT / config)},
-                          capture_output=True, text=True, timeout=120)
+    monkeypatch.chdir(ROOT)
+    for key, value in shipped_env(ROOT / config).items():
+        monkeypatch.setenv(key, value)
+    capsys.readouterr()
+    code = main(["--check", config, *overrides, "--world-size", str(world)])
+    out, err = capsys.readouterr()
     if "engine: vllm" in (ROOT / config).read_text() and importlib.util.find_spec("vllm") is None:
         # this environment has no vLLM (the second megatron-core tier): --check says so, in one line
-        assert proc.returncode == 2 and "needs vLLM" in proc.stderr.strip().splitlines()[-1], proc.stderr
+        assert code == 2 and "needs vLLM" in err.strip().splitlines()[-1], err
         return
-    assert proc.returncode == 0, f"{doc}: {cmd!r}\n{proc.stderr}"
-    assert f"# ok: {world} processes" in proc.stdout
+    assert code == 0, f"{doc}: {cmd!r}\n{err}"
+    assert f"# ok: {world} processes" in out
 
 
 @pytest.mark.parametrize("script", ["benchmarks/bench_head.py", "benchmarks/bench_logprobs.py",

@@ -57,7 +57,7 @@ def test_a_conftest_above_the_file_counts_and_why_names_the_chain(tmp_path):
     assert g.split() == (["tests/e2e/test_y.py"], ["tests/unit/test_z.py"])
 
 
-def test_the_checkouts_split_keeps_every_layout_and_end_to_end_test_on_tier_2():
+def test_the_checkouts_split_keeps_every_layout_test_on_tier_2():
     reach, free = Graph().split()
     every = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py"))
     assert sorted(reach + free) == every and not set(reach) & set(free)
