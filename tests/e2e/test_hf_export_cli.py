@@ -21,6 +21,7 @@ pytest.importorskip("transformers")
 
 from e2e_helpers import ROOT, env, torchrun  # noqa: E402
 from test_checkpoint_cross_version import other  # noqa: E402, F401 - the fixture: the other tier's python
+from megatron_cispo.export_hf import main as export_main  # noqa: E402
 from megatron_cispo.hf.export import MARKER  # noqa: E402
 from megatron_cispo.tools.make_tiny_hf import make_tiny_hf  # noqa: E402
 
@@ -225,7 +226,7 @@ def test_every_export_loads_in_transformers_with_megatrons_logprobs(trained, tra
         assert float(r[5]) <= 1e-5, r
 
 
-def test_export_cli_bad_input_is_one_line_exit_2_and_writes_nothing(trained, models, tmp_path):
+def test_export_cli_bad_input_is_one_line_exit_2_and_writes_nothing(trained, models, tmp_path, capsys):
     out = tmp_path / "out"
     empty = tmp_path / "empty_run"
     empty.mkdir()
@@ -254,11 +255,20 @@ def test_export_cli_bad_input_is_one_line_exit_2_and_writes_nothing(trained, mod
         (run, source / "sub"): "lies inside the source model directory",
         (run, other_model): "is not a megatron_cispo export",
     }
-    for args, said in cases.items():
-        proc = _export_cli(*args, check=False)
-        assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
-        lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1 and said in lines[0] and lines[0].startswith("export_hf: "), (args, proc.stderr)
+    # The first case through `python -m megatron_cispo.export_hf`, the others through its main() in this
+    # process: each refusal comes before any process group or model, and a subprocess each cost an
+    # interpreter and the torch, transformers and megatron-core imports (docs/testing.md).
+    for i, (args, said) in enumerate(cases.items()):
+        if i == 0:
+            proc = _export_cli(*args, check=False)
+            code, err = proc.returncode, proc.stderr
+        else:
+            capsys.readouterr()
+            code = export_main([str(a) for a in args])
+            err = capsys.readouterr().err
+        assert code == 2, (args, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and said in lines[0] and lines[0].startswith("export_hf: "), (args, err)
         assert not out.exists()
     assert (tmp_path / "not_a_model" / "notes.txt").read_text() == "keep me"
     assert {d: {p.name: p.read_bytes() for p in d.iterdir()} for d in (source, other_model)} == before
