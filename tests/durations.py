@@ -1,6 +1,6 @@
 """Where the suite's time goes, from pytest's junit XML (one file per tier, as .ci/run writes them).
 
-    python tests/durations.py .ci/reports/tier1.xml [.ci/reports/tier2.xml ...] [--top 40] [--markdown]
+    python tests/durations.py .ci/reports/tier1-e2e.xml [more.xml ...] [--top 40] [--markdown] [--merge]
 
 Prints, per file given: per-directory totals (tests/unit, tests/distributed, tests/e2e), per-module
 totals, and the slowest tests. A test's time is pytest's total for it (setup + call + teardown), so
@@ -42,8 +42,8 @@ def table(header, rows, markdown):
     return "\n".join(out)
 
 
-def report(path, top, markdown):
-    rows = read(path)
+def report(path, top, markdown, rows=None):
+    rows = read(path) if rows is None else rows
     if not rows:
         raise SystemExit(f"{path}: no <testcase> elements (is it pytest's --junitxml output?)")
     total = sum(r[2] for r in rows)
@@ -74,7 +74,10 @@ def main(argv=None):
     p.add_argument("junit", nargs="+", help="pytest --junitxml files")
     p.add_argument("--top", type=int, default=40, help="how many of the slowest tests to list")
     p.add_argument("--markdown", action="store_true", help="markdown tables (docs/testing.md)")
+    p.add_argument("--merge", action="store_true", help="one report over all the files given (one tier's phases)")
     a = p.parse_args(argv)
+    if a.merge:
+        return report(" + ".join(a.junit), a.top, a.markdown, rows=[r for path in a.junit for r in read(path)])
     for i, path in enumerate(a.junit):
         if i:
             print()
