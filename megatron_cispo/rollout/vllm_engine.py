@@ -3,7 +3,9 @@ touches the trainer's torch.distributed groups, works at any trainer world size,
 one EngineError line here (the child's log holds the rest).
 
     eng = VLLMEngine("runs/x/hf/step_0", precision="fp32", max_model_len=256, seed=0, kept_sets=True)
-    eng.load_weights("runs/x/hf/step_1")                 # after each optimizer step (an export dir)
+    eng.load_weights("runs/x/hf/step_1")                 # after each optimizer step (an export dir), or:
+    eng = VLLMEngine(hf_path, ..., stream=True)          # placeholder weights, then pushes in buckets:
+    eng.push(stream_buckets(...), manifest=hf_shapes(arch), bucket_bytes=n)   # weight_stream.py
     out = eng.generate(prompts, n=4, max_new_tokens=32, temperature=1.0, top_k=0, top_p=0.9,
                        seeds=[0, 4, 8], stop_token_ids=[eos])  # out[i][j]: sample j of prompt i
 """
@@ -17,9 +19,13 @@ import signal
 import subprocess
 import tempfile
 import time
+import uuid
 import weakref
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
+from typing import Iterable
+
+import torch
 
 from .child import recv, send, start
 
@@ -101,9 +107,11 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str, *, precision: str, max_model_len: int, seed: int, kept_sets: bool,
                  start_timeout_s: float = 900.0, call_timeout_s: float = CALL_TIMEOUT_S,
-                 log_path: str | None = None, engine_kwargs: dict | None = None):
+                 log_path: str | None = None, engine_kwargs: dict | None = None, stream: bool = False):
         """engine_kwargs: more keywords for vllm.LLM (e.g. gpu_memory_utilization on a GPU shared with
-        the trainer). The child's stdout and stderr go to log_path (default: a new file in /tmp)."""
+        the trainer). The child's stdout and stderr go to log_path (default: a new file in /tmp).
+        stream: start on placeholder weights (model_dir needs only config.json) and take weights through
+        vLLM's weight-transfer API (push); otherwise model_dir's weights, and load_weights(dir)."""
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
         missing = vllm_missing()
@@ -112,6 +120,7 @@ class VLLMEngine:
         self.max_model_len, self.kept_sets, self.call_timeout_s = max_model_len, kept_sets, call_timeout_s
         self.last_generate_seconds = 0.0
         self.proc: subprocess.Popen | None = None
+        self._shm: tuple[Path, torch.Tensor] | None = None  # (the shared bucket file, the trainer's map of it)
         self._own_log, self._failed = log_path is None, False  # a temp log of a clean run is removed on close
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix="vllm_engine_", suffix=".log")
@@ -120,7 +129,7 @@ class VLLMEngine:
         env = {k: v for k, v in os.environ.items() if not _TORCHRUN_ENV.match(k)}
         cfg = {"model_dir": str(Path(model_dir).resolve()), "dtype": PRECISIONS[precision],
                "max_model_len": max_model_len, "seed": seed, "kept_sets": kept_sets,
-               "engine_kwargs": dict(engine_kwargs or {})}
+               "engine_kwargs": dict(engine_kwargs or {}), "stream": stream}
         t0 = time.perf_counter()
         with open(self.log_path, "ab") as log:  # appended to: a resumed run keeps the earlier engines' lines
             self.proc = start(_WORKER, cfg, env={**_CHILD_DEFAULTS, **env}, stderr=log)
@@ -137,6 +146,49 @@ class VLLMEngine:
         self._call("load", str(Path(model_dir).resolve()), f"loading weights from {model_dir}",
                    self.call_timeout_s, "it must be an export of the engine's model")
         return time.perf_counter() - t0
+
+    def push(self, buckets: Iterable, *, manifest: dict[str, tuple[int, ...]], bucket_bytes: int) -> dict:
+        """Load the weights streamed as `buckets` (weight_stream.Bucket, each <= bucket_bytes) through vLLM's
+        weight-transfer API, then reset the prefix cache. All or nothing: a stream that raises or ends
+        short leaves the engine on its previous weights (the child aborts the update) and raises
+        EngineError, or the stream's own exception. manifest: every HF tensor a complete push holds.
+        Returns {"sync/seconds", "sync/bytes", "sync/buckets"}."""
+        t0, nbytes, count = time.perf_counter(), 0, 0
+        buf = self._open_shm(manifest, bucket_bytes)
+        self._call("wstart", None, "starting a weight update", self.call_timeout_s, "see the log")
+        try:
+            for bucket in buckets:
+                n = bucket.data.numel()
+                buf[:n].copy_(bucket.data.view(-1).cpu())
+                self._call("wupdate", {"blocks": [astuple(b) for b in bucket.blocks], "nbytes": n},
+                           f"receiving weight bucket {count}", self.call_timeout_s, "see the log", fatal=False)
+                nbytes, count = nbytes + n, count + 1
+        except BaseException:
+            if self.proc is not None:  # the engine is up: end the update there, loading nothing
+                self._call("wabort", None, "aborting a weight update", self.call_timeout_s, "see the log")
+            raise
+        self._call("wfinish", None, "loading the streamed weights", self.call_timeout_s,
+                   "the stream must hold every tensor of the engine's model", fatal=False)
+        return {"sync/seconds": time.perf_counter() - t0, "sync/bytes": float(nbytes), "sync/buckets": float(count)}
+
+    def _open_shm(self, manifest: dict, bucket_bytes: int) -> torch.Tensor:
+        """The shared bucket file, made and announced to the engine (winit) on the first push."""
+        if self._shm is not None and self._shm[1].numel() == bucket_bytes:
+            return self._shm[1]
+        self._close_shm()
+        root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        path = root / f"cispo_weights_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+        with open(path, "wb") as f:
+            f.truncate(bucket_bytes)
+        self._shm = (path, torch.from_file(str(path), shared=True, size=bucket_bytes, dtype=torch.uint8))
+        info = {"path": str(path), "nbytes": bucket_bytes, "manifest": {k: tuple(v) for k, v in manifest.items()}}
+        self._call("winit", info, "starting the weight transfer engine", self.call_timeout_s, "see the log")
+        return self._shm[1]
+
+    def _close_shm(self) -> None:
+        if self._shm is not None:
+            self._shm[0].unlink(missing_ok=True)
+            self._shm = None
 
     def generate(self, prompts: list[list[int]], *, n: int, max_new_tokens: int, temperature: float,
                  top_k: int, top_p: float, seeds: list[int], stop_token_ids: list[int]) -> list[list[Completion]]:
@@ -171,6 +223,7 @@ class VLLMEngine:
             self.log_path.unlink(missing_ok=True)
 
     def _stop(self, polite: bool) -> None:
+        self._close_shm()
         proc, self.proc = self.proc, None
         if proc is None:
             return
@@ -201,9 +254,10 @@ class VLLMEngine:
     def __exit__(self, *exc):
         self.close()
 
-    def _call(self, op, arg, what: str, timeout_s: float, fix: str):
+    def _call(self, op, arg, what: str, timeout_s: float, fix: str, fatal: bool = True):
         """Send (op, arg) (op None: only wait for the start reply) and return the child's value; any
-        failure closes the engine and raises EngineError (one line)."""
+        failure raises EngineError (one line) and closes the engine, except an error the child answered
+        with when not `fatal` (a refused weight update: the child is still on its previous weights)."""
         if self.proc is None:
             raise EngineError(f"vLLM engine: {what} on a closed engine (it failed earlier or was closed)")
         try:
@@ -223,6 +277,8 @@ class VLLMEngine:
             if kind == "ok":
                 return value
             msg = f"vLLM engine: {what} failed: {value}; {fix} (log: {self.log_path})"
+            if not fatal:
+                raise EngineError(msg)
         self._failed = True
         self._stop(polite=False)
         raise EngineError(msg)

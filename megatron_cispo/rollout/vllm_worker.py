@@ -1,7 +1,8 @@
 """The child side of vllm_engine.VLLMEngine: the only module that imports vLLM. It builds vLLM's offline
 engine in this process (in-process mode, its own single-process group) and answers requests on the
-pipe of child.py (8-byte length + pickle): ("load", dir), ("generate", kwargs), ("close", None);
-each reply is ("ok", value) or ("error", one line).
+pipe of child.py (8-byte length + pickle): ("load", dir), ("generate", kwargs), ("close", None), and
+with cfg["stream"] the weight-transfer calls (vllm_transfer.py): ("winit", init_info), ("wstart", None),
+("wupdate", update_info), ("wfinish", None), ("wabort", None); each reply is ("ok", value) or ("error", one line).
 
     python -c "from megatron_cispo.rollout.vllm_worker import serve; serve()"   # started by VLLMEngine
 """
@@ -39,9 +40,15 @@ def _build(cfg: dict):
     from vllm import LLM
 
     _check_cpu_head_dim(cfg["model_dir"])
+    extra = {}
+    if cfg.get("stream"):  # weights arrive through the weight-transfer API: start on placeholder weights
+        from .vllm_transfer import BACKEND, register
+
+        register()
+        extra = {"weight_transfer_config": {"backend": BACKEND}, "load_format": "dummy"}
     return LLM(model=cfg["model_dir"], skip_tokenizer_init=True, enforce_eager=True, dtype=cfg["dtype"],
                distributed_executor_backend="uni", logprobs_mode="processed_logprobs", max_logprobs=-1,
-               max_model_len=cfg["max_model_len"], seed=cfg["seed"], **cfg["engine_kwargs"])
+               max_model_len=cfg["max_model_len"], seed=cfg["seed"], **extra, **cfg["engine_kwargs"])
 
 
 def _check_reload(llm) -> None:
@@ -70,6 +77,42 @@ def _retie_lm_head(worker) -> bool:
     head.weight = embed.weight
     head.quant_method.process_weights_after_loading(head)
     return True
+
+
+_TRANSFER = ("winit", "wstart", "wupdate", "wfinish", "wabort")
+
+
+def _loaded(llm) -> None:
+    """After new weights are in: tie the head again, and drop the prompt KV cached with the old weights
+    (it gave wrong logprobs)."""
+    llm.collective_rpc(_retie_lm_head)
+    llm.reset_prefix_cache()
+
+
+def _transfer(llm, op: str, arg) -> None:
+    """One step of a push through vLLM's weight-transfer API (the worker's methods, vllm_transfer's engine)."""
+    if op == "winit":
+        _check_reload(llm)
+        llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": arg})
+    elif op == "wstart":
+        llm.collective_rpc("start_weight_update")
+    elif op == "wupdate":
+        llm.collective_rpc("update_weights", kwargs={"update_info": arg})
+    elif op == "wfinish":
+        try:
+            llm.collective_rpc("finish_weight_update")
+        except BaseException:
+            _abort(llm)  # a short push loads nothing: the worker must accept the next one
+            raise
+        _loaded(llm)
+    else:
+        _abort(llm)
+
+
+def _abort(llm) -> None:
+    from .vllm_transfer import abort_update
+
+    llm.collective_rpc(abort_update)
 
 
 def _position(flat, p: int, token: int, vocab: int, num: int):
@@ -149,12 +192,13 @@ def serve() -> None:
         if op == "close":
             return send(reply, ("ok", None))
         try:
+            value = None
             if op == "load":
                 _check_reload(llm)
                 llm.collective_rpc("reload_weights", kwargs={"weights_path": arg, "is_checkpoint_format": True})
-                llm.collective_rpc(_retie_lm_head)
-                llm.reset_prefix_cache()  # cached prompt KV of the old weights would give wrong logprobs
-                value = None
+                _loaded(llm)
+            elif op in _TRANSFER:
+                _transfer(llm, op, arg)
             else:
                 value = _generate(llm, vocab, **arg, kept_sets=cfg["kept_sets"])
         except Exception as e:  # noqa: BLE001

@@ -1,0 +1,275 @@
+"""The trainer's weights as a stream of named buckets for a rollout engine: no full-model gather, no disk.
+
+    for bucket in stream_buckets(chunks, namer=hf_namer(arch), bucket_bytes=256 << 20):  # collective
+        engine_update(bucket.blocks(), bucket.data)      # only rank `dst` receives buckets
+
+Per PP stage one rank sends: the one with DP = CP = 0 and TP rank 0. Its TP peers gather their shards
+to it a row block at a time (dist.gather over TP), so no rank holds more than one gathered block and one
+bucket beyond the model: about 2 x bucket_bytes. Tensors keep the parameters' dtype. The other stages'
+senders forward their buckets to `dst` point to point, stage by stage. `namer` names each block by the
+HF export mapping (hf/mapping.pieces) or by megatron's full tensors (megatron_namer); a receiver writes
+block b into the full tensor b.name at rows b.row.., columns b.col.. (rollout/weight_receiver.py).
+MoE models are refused: expert senders (one per EP group) are not in the schedule yet.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import torch
+from torch import Tensor
+
+from ..runner.weights import canonical_names, global_param_name, shard_group, tp_split_dim
+
+_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
+
+
+@dataclass(frozen=True)
+class Region:
+    """Rows [start, stop) of one TP rank's shard fill target `name` (full shape `shape`) from (row, col)."""
+
+    name: str
+    shape: tuple[int, ...]
+    start: int
+    stop: int
+    row: int
+    col: int
+
+
+@dataclass(frozen=True)
+class Block:
+    """Part of target tensor `name` (full shape `shape`): rows row.., columns col.. (col 0 for 1-D),
+    `dims` its own shape; bytes [offset, offset + nbytes) of its bucket's data, in `dtype`."""
+
+    name: str
+    shape: tuple[int, ...]
+    row: int
+    col: int
+    dims: tuple[int, ...]
+    dtype: str
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return _numel(self.dims) * _DTYPES[self.dtype].itemsize
+
+    def view(self, data: Tensor) -> Tensor:
+        """This block's tensor in `data` (its bucket's uint8 bytes): a view, no copy."""
+        return data[self.offset:self.offset + self.nbytes].view(_DTYPES[self.dtype]).view(self.dims)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """What one send carries: `blocks` and their bytes `data` ([n] uint8, valid until the next bucket)."""
+
+    blocks: list[Block]
+    data: Tensor
+
+
+Namer = Callable[[str, tuple[int, ...], int, int, int, bool], list[Region]]
+"""namer(global name, full megatron shape, tp rank, tp size, split dim (-1: not split), gated fc1)
+-> the regions of that rank's shard, in shard-row order."""
+
+
+def _numel(dims) -> int:
+    n = 1
+    for d in dims:
+        n *= int(d)
+    return n
+
+
+def megatron_namer(name, full, rank, size, dim, glu) -> list[Region]:
+    """Blocks named by megatron's full tensors (runner/weights.gather_full_state's layout)."""
+    full = tuple(full)
+    if dim < 0:
+        return [Region(name, full, 0, full[0], 0, 0)]
+    if dim == 1:
+        rows = full[0]
+        return [Region(name, full, 0, rows, 0, rank * (full[1] // size))]
+    n = full[0] // size
+    if glu:  # rank r holds [gate_r; up_r]; the full tensor is [gate; up]
+        h = n // 2
+        return [Region(name, full, 0, h, rank * h, 0), Region(name, full, h, n, full[0] // 2 + rank * h, 0)]
+    return [Region(name, full, 0, n, rank * n, 0)]
+
+
+def hf_namer(arch) -> Namer:
+    """Blocks named by the HF export mapping: the HF tensors run.export_hf writes, vocabulary padding dropped."""
+    from ..hf.mapping import ZEROS, hf_shapes, pieces
+
+    shapes = hf_shapes(arch)
+
+    def namer(name, full, rank, size, dim, glu) -> list[Region]:
+        out, at = [], 0
+        for p in (pieces(name, arch, rank=rank, size=size) if dim >= 0 else pieces(name, arch)):
+            if p.name != ZEROS:
+                out.append(Region(p.name, shapes[p.name], at, at + p.rows, p.start, p.cols.start if p.cols else 0))
+            at += p.rows
+        return out
+    return namer
+
+
+class _Packer:
+    """Fills one preallocated bucket; full() says when the next block must go to a new one."""
+
+    def __init__(self, nbytes: int, device):
+        self.data = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.blocks: list[Block] = []
+        self.used = 0
+
+    def fits(self, nbytes: int) -> bool:
+        return self.used + nbytes <= self.data.numel()
+
+    def add(self, region: Region, t: Tensor) -> None:
+        dims = tuple(t.shape)
+        raw = t.contiguous().view(-1).view(torch.uint8)
+        self.data[self.used:self.used + raw.numel()].copy_(raw)
+        self.blocks.append(Block(region.name, region.shape, region.row, region.col, dims, str(t.dtype), self.used))
+        self.used += raw.numel()
+
+    def take(self) -> Optional[Bucket]:
+        if not self.blocks:
+            return None
+        bucket = Bucket(self.blocks, self.data[:self.used])
+        self.blocks, self.used = [], 0
+        return bucket
+
+
+def tensor_buckets(tensors: dict[str, Tensor], bucket_bytes: int) -> Iterator[Bucket]:
+    """Single process: full tensors {name: tensor} as buckets (row blocks of a tensor larger than one)."""
+    packer = None
+    for name, t in tensors.items():
+        t = t.detach()
+        packer = packer or _Packer(bucket_bytes, t.device)
+        row_bytes = max(1, t[0].numel() if t.dim() > 1 else 1) * t.element_size()
+        rows = bucket_bytes // row_bytes
+        if rows < 1:
+            raise ValueError(f"bucket of {bucket_bytes} bytes is smaller than one row of {name} ({row_bytes} bytes)")
+        for s in range(0, t.shape[0], rows):
+            block = t[s:s + rows]
+            if not packer.fits(block.numel() * block.element_size()):
+                yield packer.take()
+            packer.add(Region(name, tuple(t.shape), 0, 0, s, 0), block)
+    last = packer.take() if packer is not None else None
+    if last is not None:
+        yield last
+
+
+def _tensors(chunks, tensors):
+    """(module, local name, param, the tensor to send) for every parameter of every chunk."""
+    for i, chunk in enumerate(chunks):
+        mod = getattr(chunk, "module", chunk)
+        for name, p in mod.named_parameters():
+            yield mod, name, p, (p.detach() if tensors is None else tensors[i][name])
+
+
+def _own_buckets(chunks, namer: Namer, bucket_bytes: int, tensors) -> Iterator[Bucket]:
+    """This rank's part of the stream: TP gathers (as sender or peer); buckets only on senders."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    if mpu.get_data_parallel_rank(with_context_parallel=True) != 0:
+        return
+    packer = None
+    for mod, name, p, t in _tensors(chunks, tensors):
+        group, size, rank = shard_group(name)
+        split = bool(getattr(p, "tensor_model_parallel", False)) and size > 1
+        if not split and rank != 0:
+            continue
+        gname = next(iter(canonical_names({global_param_name(mod, name): None})))
+        dim = tp_split_dim(gname) if split else -1
+        full = list(t.shape)
+        if split:
+            full[dim] *= size
+        glu = bool(mod.config.gated_linear_unit) and gname.endswith("linear_fc1.weight")
+        row_bytes = t[0].numel() * t.element_size() if t.dim() > 0 else t.element_size()
+        rows = bucket_bytes // (row_bytes * (size if split else 1))
+        if rows < 1:
+            raise ValueError(f"rollout.sync_bucket_mb={bucket_bytes / 2**20:g} is smaller than one row of {gname} "
+                             f"({row_bytes * (size if split else 1)} bytes gathered over TP); raise it")
+        regions = {r: namer(gname, tuple(full), r, size, dim, glu) for r in (range(size) if split else [0])}
+        if packer is None and rank == 0:
+            packer = _Packer(bucket_bytes, t.device)
+        for s in range(0, t.shape[0], rows):
+            part = t[s:s + rows].contiguous()
+            if split:
+                parts = [torch.empty_like(part) for _ in range(size)] if rank == 0 else None
+                dist.gather(part, parts, dst=dist.get_global_rank(group, 0), group=group)
+            else:
+                parts = [part]
+            if rank != 0:
+                continue
+            e = s + part.shape[0]
+            for r, x in enumerate(parts):
+                for g in regions[r]:
+                    lo, hi = max(s, g.start), min(e, g.stop)
+                    if lo >= hi:
+                        continue
+                    block = x[lo - s:hi - s]
+                    if not packer.fits(block.numel() * block.element_size()):
+                        yield packer.take()
+                    packer.add(Region(g.name, g.shape, 0, 0, g.row + lo - g.start, g.col), block)
+            del parts
+    if packer is not None:
+        last = packer.take()
+        if last is not None:
+            yield last
+
+
+def stream_buckets(chunks, *, namer: Namer, bucket_bytes: int, tensors=None, dst: int = 0) -> Iterator[Bucket]:
+    """Collective over the world: the model's weights as buckets of at most `bucket_bytes`, yielded on
+    rank `dst` only (every other rank must still run the generator to its end).
+
+    chunks: the model chunks (this rank's PP stage). tensors: None for the live parameters, or per
+    chunk {local parameter name: tensor} (a lagged version's shards, same shapes). Senders other than
+    dst send each bucket's block list (send_object_list) and bytes (send) to dst, stage after stage;
+    dst yields its own first, then theirs. A bucket's data is reused: use it before the next one.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        yield from _own_buckets(chunks, namer, bucket_bytes, tensors)
+        return
+    me = dist.get_rank()
+    sends = _is_sender(chunks)
+    senders = [None] * dist.get_world_size()
+    dist.all_gather_object(senders, sends)
+    device = next(iter(_tensors(chunks, tensors)))[3].device
+    obj_dev = None if device.type == "cpu" else device
+    if me == dst:
+        yield from _own_buckets(chunks, namer, bucket_bytes, tensors)
+        buf = torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
+        for src in (r for r, s in enumerate(senders) if s and r != dst):
+            while True:
+                box = [None]
+                dist.recv_object_list(box, src=src, device=obj_dev)
+                if box[0] is None:
+                    break
+                blocks, n = box[0]
+                dist.recv(buf[:n], src=src)
+                yield Bucket(blocks, buf[:n])
+        return
+    for bucket in _own_buckets(chunks, namer, bucket_bytes, tensors):
+        dist.send_object_list([(bucket.blocks, bucket.data.numel())], dst=dst, device=obj_dev)
+        dist.send(bucket.data, dst=dst)
+    if sends:
+        dist.send_object_list([None], dst=dst, device=obj_dev)
+
+
+def _is_sender(chunks) -> bool:
+    """Whether this rank sends buckets: DP = CP = 0 and TP rank 0 of some parameter's shard group."""
+    from megatron.core import parallel_state as mpu
+
+    if mpu.get_data_parallel_rank(with_context_parallel=True) != 0:
+        return False
+    return any(shard_group(name)[2] == 0 for chunk in chunks
+               for name, _ in getattr(chunk, "module", chunk).named_parameters())
+
+
+def stream_problem(arch) -> Optional[str]:
+    """One line when the bucket stream cannot serve model `arch` (hf.arch.HFArch), else None."""
+    if arch is not None and arch.num_experts:
+        return (f"rollout.sync=stream does not cover MoE models yet (model.hf_path={arch.path} has "
+                f"{arch.num_experts} experts: expert senders, one per EP group, are not in its schedule); "
+                "use rollout.sync: disk")
+    return None
