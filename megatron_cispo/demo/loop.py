@@ -4,7 +4,7 @@
 
 Each step t: the sampler produces the global batch with policy version max(0, t - staleness);
 this rank trains on its DP shard with exactly one optimizer step (policy_step); the trainer's
-TP/PP shards are gathered (`gather_full_state`) and pushed to the sampler as version t + 1.
+new weights go to the sampler as version t + 1 (`sampler.push`: streamed to vLLM in buckets, or gathered).
 A step whose loss or gradient is non-finite is skipped by policy_step on every rank; after
 run.max_consecutive_skips of them in a row the run stops with NonFiniteStop. On SIGTERM, SIGINT
 (Ctrl-C) or SIGHUP every rank finishes the step, a checkpoint is written and the run stops with
@@ -181,15 +181,14 @@ def _resume(t: _Trainer):
     """Collective: (first step, checkpoint resumed from or None). Loads the newest intact checkpoint
     with run.resume, on any layout (dist_checkpointing reshards the model and optimizer); otherwise
     the sampler receives the initial weights as policy version 0."""
-    from ..runner.weights import gather_full_state
-
     last = checkpoint.resume_point(t.cfg.run.run_dir) if t.cfg.run.resume else None  # verified, or the one before
     if last is None:
-        t.sampler.sync(0, gather_full_state(t.chunks))
+        t.sampler.push(0, t.chunks)
         return 0, None
     # Every rank reads the same file (run_dir is shared), so a refusal is the same ConfigError everywhere.
     changes = resume_check.resume_changes(checkpoint_files.read_config(last), t.cfg, path=last)
     start = checkpoint.load(last, chunks=t.chunks, optimizer=t.optimizer, shared={"sampler": t.sampler})
+    t.sampler.resumed(start, t.chunks)
     if changes and t.env.rank == 0:
         say(resume_check.changed_settings_warning(last, changes, start))
     return start, last
@@ -270,7 +269,6 @@ def _export_hf(t: _Trainer, step: int) -> None:
 def _step(t: _Trainer, step: int):
     """Collective: sample the global batch, one policy step on this rank's DP shard, weight sync;
     returns (batch, metrics, lr)."""
-    from ..runner.weights import gather_full_state
     from ..step import Rollouts, policy_step
 
     lr = t.cfg.optimizer.lr_at(step, t.cfg.run.steps)
@@ -280,7 +278,7 @@ def _step(t: _Trainer, step: int):
     shard = Rollouts(**batch.rollout_fields()).dp_shard(dp_rank=t.dp_rank, dp=t.dp, minibatches=1)
     local = Rollouts(**{k: v.to(t.env.device) for k, v in shard.select(slice(None)).items()})
     metrics = policy_step(t.chunks, t.optimizer, local, t.cfg.loss, t.step_cfg, vocab_size=t.cfg.model.vocab_size)
-    t.sampler.sync(step + 1, gather_full_state(t.chunks))  # the explicit weight sync
+    t.sampler.push(step + 1, t.chunks)  # the explicit weight sync (rollout.sync)
     return batch, metrics, lr
 
 

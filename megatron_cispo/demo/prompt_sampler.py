@@ -1,16 +1,18 @@
 """The vLLM sampler: data.prompts sampled by vLLM on the trainer's synced weights, scored by data.reward.
 
     sampler = PromptSampler(cfg, rank=env.rank, device=env.device)   # every rank
-    sampler.sync(version, gather_full_state(chunks))                   # as Sampler: versions queue
+    sampler.push(version, chunks)                                      # after each step: the new version
     batch = sampler.rollouts(step)                                     # collective: rank 0 samples, all get it
 
 Rank 0 runs vLLM in its own process (rollout/vllm_engine.py) and the reward in another
 (rollout/rewards.py); the global batch is broadcast to every rank, which keeps its DP shard. Step t
-samples with policy version max(0, t - rollout.staleness): that version's weights are written as a
-Hugging Face directory (hf/export.py, fp32) and reloaded into the running engine, with its prefix
-cache reset, whenever the version changes. Every rank advances the prompt stream alike, so the
-checkpoint (rank 0's state) holds the position and a resumed run continues the stream exactly.
-A sample whose reward failed (exception, non-number, timeout) is left out of the loss.
+samples with policy version max(0, t - rollout.staleness), loaded into the running engine (prefix
+cache reset) whenever the version changes. rollout.sync=stream streams it in named buckets from one
+rank per stage (rollout/weight_stream.py) through vLLM's weight-transfer API; the lagged versions are
+kept sharded, each rank its own shards, in the parameters' dtype. rollout.sync=disk gathers every
+version whole on rank 0 and writes it as an fp32 HF directory (hf/export.py) for vLLM to reload.
+Every rank advances the prompt stream alike, so the checkpoint (rank 0's state) holds the position and
+a resumed run continues the stream exactly. A sample whose reward failed is left out of the loss.
 """
 from __future__ import annotations
 
@@ -65,6 +67,11 @@ def check_sources(cfg) -> Optional[PromptStream]:
                          f"({stream.max_len} prompt + {cfg.rollout.max_new_tokens} new tokens - 1); raise it")
     load_reward(cfg.data.reward)
     problem = vllm_missing() or cpu_model_problem(cfg.model.arch, cuda=torch.cuda.is_available())
+    if cfg.rollout.sync == "stream":
+        from ..rollout.weight_stream import bucket_problem, stream_problem
+
+        problem = problem or stream_problem(cfg.model.arch) or bucket_problem(
+            cfg.model.arch, cfg.rollout.sync_bucket_bytes, tp=cfg.parallelism.tp)
     if problem:
         raise ValueError(problem)
     return stream
@@ -135,7 +142,9 @@ class PromptSampler(Sampler):
         self.limit_s = 0.9 * cfg.run.dist_timeout_s
         self.log = Path(cfg.run.run_dir) / "vllm.log"    # the engine process's output (appended on a resume)
         self._tmp = Path(cfg.run.run_dir) / "vllm_weights"  # the synced version vLLM reloads (rank 0)
-        if rank == 0:
+        self.chunks = None  # rollout.sync=stream: the model chunks, the live version's weights
+        self.live: Optional[int] = None  # the version the live parameters hold
+        if rank == 0 and self.cfg.sync == "disk":
             shutil.rmtree(self._tmp, ignore_errors=True)  # a killed run's export
             self._tmp.mkdir(parents=True)
 
@@ -148,21 +157,14 @@ class PromptSampler(Sampler):
         return out, sum(f.stat().st_size for f in out.glob("*.safetensors"))
 
     def _engine_at(self, version: int) -> dict:
-        """Start the engine on `version`, or reload it there; the sync metrics."""
-        from ..rollout.vllm_engine import VLLMEngine
-
+        """rollout.sync=disk: start the engine on `version`, or reload it there; the sync metrics."""
         if self.loaded == version:
             return {"sync/seconds": 0.0, "sync/bytes": 0.0}
         t0 = time.perf_counter()
         path, nbytes = self._export(version)
         info = {"sync/bytes": float(nbytes)}
         if self.engine_ is None:
-            r = self.cfg
-            self.engine_ = VLLMEngine(str(path), precision=r.precision, seed=self.seed,
-                                      max_model_len=self.model_cfg.seq_length, kept_sets=r.top_k > 0 or r.top_p < 1,
-                                      start_timeout_s=self.limit_s / 2, call_timeout_s=self.limit_s / 2,
-                                      log_path=str(self.log))
-            info["rollout/engine_start_s"] = self.engine_.start_seconds
+            info.update(self._start_engine(str(path), stream=False))
         else:
             self.engine_.load_weights(str(path))
         info["sync/seconds"] = time.perf_counter() - t0
@@ -187,10 +189,54 @@ class PromptSampler(Sampler):
         return res.rewards, {"reward/errors": float(res.errors), "reward/timeouts": float(res.timeouts),
                              "reward/non_numbers": float(res.non_numbers), "reward/seconds": time.perf_counter() - t0}
 
-    def _sample(self, step: int, prompts) -> Batch:
+    def _start_engine(self, model_dir: str, stream: bool) -> dict:
+        from ..rollout.vllm_engine import VLLMEngine
+
+        r = self.cfg
+        self.engine_ = VLLMEngine(model_dir, precision=r.precision, seed=self.seed, max_model_len=self.model_cfg.seq_length,
+                                  kept_sets=r.top_k > 0 or r.top_p < 1, start_timeout_s=self.limit_s / 2,
+                                  call_timeout_s=self.limit_s / 2, log_path=str(self.log), stream=stream)
+        return {"rollout/engine_start_s": self.engine_.start_seconds}
+
+    def _stream_to_engine(self, version: int) -> tuple[dict, Optional[str]]:
+        """Collective (rollout.sync=stream): version `version` into the engine, bucket by bucket; rank 0
+        returns (sync metrics, None) or ({}, the failure's line), having drained the stream either way so
+        no sender is left waiting. The engine's previous weights stay when the push fails."""
+        from ..hf.mapping import hf_shapes
+        from ..rollout.weight_stream import hf_namer, stream_buckets
+
+        held = self.versions[version]  # None: the live parameters (or, off DP = CP = 0, nothing to send)
+        if held is None and version != self.live and self._sends():
+            raise RuntimeError(f"sampler: version {version} is neither held nor live ({self.live})")
+        arch, size = self.model_cfg.arch, self.cfg.sync_bucket_bytes
+        buckets = stream_buckets(self.chunks, namer=hf_namer(arch), bucket_bytes=size, tensors=held)
+        if self.rank != 0:
+            for _ in buckets:
+                pass
+            self.loaded = version
+            return {}, None
+        info, error = {}, None
+        try:
+            if self.engine_ is None:
+                info.update(self._start_engine(self.model_cfg.hf_path, stream=True))
+            info.update(self.engine_.push(buckets, manifest=hf_shapes(arch), bucket_bytes=size))
+        except Exception as e:  # noqa: BLE001 - reported on every rank through the batch's broadcast
+            error = f"weight sync of policy version {version} failed: {e}"
+        for _ in buckets:  # a failed push: the other senders' buckets still have to be received
+            pass
+        self.loaded = None if error else version
+        return info, error
+
+    @staticmethod
+    def _sends() -> bool:
+        from megatron.core import parallel_state as mpu
+
+        return mpu.get_data_parallel_rank(with_context_parallel=True) == 0
+
+    def _sample(self, step: int, prompts, info: Optional[dict] = None) -> Batch:
         start = time.perf_counter()
         version = self._held_version(step)
-        info = self._engine_at(version)
+        info = dict(info) if info is not None else self._engine_at(version)
         r, g = self.cfg, self.cfg.group_size
         t0 = time.perf_counter()
         out = self.engine_.generate([p.token_ids for p in prompts], n=g, max_new_tokens=r.max_new_tokens,
@@ -206,18 +252,49 @@ class PromptSampler(Sampler):
 
     # -- every rank -----------------------------------------------------------------------------------
     def sync(self, version: int, full_state) -> None:
-        """Rank 0 keeps the versions (it alone exports them, and the checkpoint holds its state); the
-        other ranks took part in the gather and keep nothing."""
+        """rollout.sync=disk: rank 0 keeps the versions (it alone exports them, and the checkpoint holds
+        its state); the other ranks took part in the gather and keep nothing."""
         if self.rank == 0:
             super().sync(version, full_state)
+
+    def push(self, version: int, chunks) -> None:
+        """Collective with rollout.sync=disk (the gather). rollout.sync=stream: the live parameters are now
+        `version`; with rollout.staleness k > 0 every rank that sends (DP = CP = 0) keeps a copy of its
+        own shards, in their dtype, for the k steps that will sample with it. Nothing is gathered."""
+        if self.cfg.sync == "disk":
+            return super().push(version, chunks)
+        self.chunks, self.live = chunks, version
+        keep = self.cfg.staleness > 0 and self._sends()
+        self.versions[version] = [{n: p.detach().clone() for n, p in getattr(c, "module", c).named_parameters()}
+                                  for c in chunks] if keep else None
+        for v in [v for v in self.versions if v < version - self.cfg.staleness]:
+            del self.versions[v]
+
+    def resumed(self, step: int, chunks) -> None:
+        """After a checkpoint's load (rollout.sync=stream): its model is version `step`. The lagged versions
+        are not in the checkpoint, so the lag restarts at 0 and is back at rollout.staleness k steps later."""
+        if self.cfg.sync == "stream":
+            self.versions = {}
+            self.push(step, chunks)
+            if self.cfg.staleness > 0 and self.rank == 0:
+                say(f"[{self.exp.label}] rollout.sync=stream keeps no lagged versions in checkpoints: sampling "
+                    f"restarts with the checkpoint's weights (lag 0), back to rollout.staleness="
+                    f"{self.cfg.staleness} after {self.cfg.staleness} steps")
 
     def rollouts(self, step: int) -> Batch:
         """Collective: the global batch of 0-based `step`, sampled on rank 0 and broadcast."""
         prompts = self.stream.take(self.cfg.prompts_per_step)  # every rank alike: the position is checkpointed
         box: list = [None]
+        info, error = None, None
+        if self.cfg.sync == "stream":
+            version = self._held_version(step)
+            info, error = self._stream_to_engine(version) if self.loaded != version else \
+                ({"sync/seconds": 0.0, "sync/bytes": 0.0}, None)
         if self.rank == 0:
             try:
-                box[0] = self._sample(step, prompts)
+                if error:
+                    raise RuntimeError(error)
+                box[0] = self._sample(step, prompts, info)
             except Exception as e:  # the engine or the export failed: every rank must stop, not wait
                 box[0] = f"[{self.exp.label}] rollout at step {step + 1} failed: {e}"
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -229,7 +306,9 @@ class PromptSampler(Sampler):
         return box[0]
 
     def state_dict(self) -> dict:
-        return {**super().state_dict(), "prompts": self.stream.state_dict()}
+        """The prompt position; with rollout.sync=disk also rank 0's whole versions (sync=stream: none)."""
+        versions = self.versions if self.cfg.sync == "disk" else {}
+        return {"versions": versions, "prompts": self.stream.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
@@ -246,5 +325,5 @@ class PromptSampler(Sampler):
             if part is not None:
                 part.close()
         self.engine_ = self.reward = None
-        if self.rank == 0:
+        if self.rank == 0 and self.cfg.sync == "disk":
             shutil.rmtree(self._tmp, ignore_errors=True)

@@ -1,6 +1,6 @@
 """The sampler: a separate copy of the policy that lags the trainer by `staleness` versions.
 
-    sampler.sync(version, gather_full_state(chunks))   # explicit weight sync (collective gather)
+    sampler.push(version, chunks)                       # explicit weight sync (collective gather)
     batch = sampler.rollouts(step)                      # global batch, sampled with version step - k
 
 As in a fully-async system it never reads the trainer's live parameters: it keeps the synced
@@ -96,6 +96,16 @@ class Sampler:
             del self.versions[v]
         if self._built is not None and (self._built[0] == version or self._built[0] not in self.versions):
             self._built = None  # built from weights it no longer holds
+
+    def push(self, version: int, chunks) -> None:
+        """Collective: the trainer's model chunks are now policy version `version`; gathered whole
+        (runner/weights.gather_full_state) for this in-process engine's copy."""
+        from ..runner.weights import gather_full_state
+
+        self.sync(version, gather_full_state(chunks))
+
+    def resumed(self, step: int, chunks) -> None:
+        """After a checkpoint's load: its versions came with it (load_state_dict); nothing to do."""
 
     def engine(self, version: int) -> Engine:
         """The inference engine (rollout.engine) on policy version `version`'s weights, built once per

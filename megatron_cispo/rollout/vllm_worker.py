@@ -48,7 +48,7 @@ def _build(cfg: dict):
         extra = {"weight_transfer_config": {"backend": BACKEND}, "load_format": "dummy"}
     return LLM(model=cfg["model_dir"], skip_tokenizer_init=True, enforce_eager=True, dtype=cfg["dtype"],
                distributed_executor_backend="uni", logprobs_mode="processed_logprobs", max_logprobs=-1,
-               max_model_len=cfg["max_model_len"], seed=cfg["seed"], **extra, **cfg["engine_kwargs"])
+               max_model_len=cfg["max_model_len"], seed=cfg["seed"], **{**extra, **cfg["engine_kwargs"]})
 
 
 def _check_reload(llm) -> None:

@@ -95,11 +95,13 @@ def megatron_namer(name, full, rank, size, dim, glu) -> list[Region]:
 
 def hf_namer(arch) -> Namer:
     """Blocks named by the HF export mapping: the HF tensors run.export_hf writes, vocabulary padding dropped."""
-    from ..hf.mapping import ZEROS, hf_shapes, pieces
+    from ..hf.mapping import ZEROS, hf_shapes, megatron_names, pieces
 
-    shapes = hf_shapes(arch)
+    shapes, known = hf_shapes(arch), set(megatron_names(arch))
 
     def namer(name, full, rank, size, dim, glu) -> list[Region]:
+        if name not in known:  # a tied output layer (the last stage's copy of the embedding): HF has none
+            return []
         out, at = [], 0
         for p in (pieces(name, arch, rank=rank, size=size) if dim >= 0 else pieces(name, arch)):
             if p.name != ZEROS:
@@ -188,6 +190,8 @@ def _own_buckets(chunks, namer: Namer, bucket_bytes: int, tensors) -> Iterator[B
             raise ValueError(f"rollout.sync_bucket_mb={bucket_bytes / 2**20:g} is smaller than one row of {gname} "
                              f"({row_bytes * (size if split else 1)} bytes gathered over TP); raise it")
         regions = {r: namer(gname, tuple(full), r, size, dim, glu) for r in (range(size) if split else [0])}
+        if not any(regions.values()):
+            continue  # nothing of it is sent (every TP rank decides alike)
         if packer is None and rank == 0:
             packer = _Packer(bucket_bytes, t.device)
         for s in range(0, t.shape[0], rows):
@@ -264,6 +268,18 @@ def _is_sender(chunks) -> bool:
         return False
     return any(shard_group(name)[2] == 0 for chunk in chunks
                for name, _ in getattr(chunk, "module", chunk).named_parameters())
+
+
+def bucket_problem(arch, bucket_bytes: int, *, tp: int) -> Optional[str]:
+    """One line when a bucket cannot hold one gathered row of some tensor of `arch` (fp32, over tp ranks)."""
+    from ..hf.mapping import hf_shapes
+
+    for name, shape in hf_shapes(arch).items():
+        row = _numel(shape[1:]) * 4 * tp
+        if row > bucket_bytes:
+            return (f"rollout.sync_bucket_mb={bucket_bytes / 2**20:g} is smaller than one row of {name} gathered over "
+                    f"tp={tp} ({row} bytes in fp32); raise it")
+    return None
 
 
 def stream_problem(arch) -> Optional[str]:

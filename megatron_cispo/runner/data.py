@@ -41,6 +41,15 @@ class RolloutConfig:
         "through the export mapping (hf/mapping.py). Task symbols are token ids 0..base+3 of the HF vocabulary. "
         "vllm = vLLM's offline engine in its own process (rank 0 starts it), on the same synced weights, "
         "sampling data.prompts (needs the [vllm] extra, model.hf_path and data.prompts).")
+    sync: Literal["stream", "disk"] = config_field(
+        "stream", "How rollout.engine=vllm gets the trainer's weights after each step: stream = named buckets "
+        "from one rank per pipeline stage through vLLM's weight-transfer API (on CPU this project's shared-memory "
+        "engine), in the parameters' dtype, no rank holding more than about two buckets beyond the model; disk = "
+        "the whole model gathered, written as an fp32 HF directory and reloaded (the fallback). The torch and hf "
+        "engines gather the model into their own in-process copy either way.")
+    sync_bucket_mb: float = config_field(
+        256.0, "Bucket size of rollout.sync=stream in MiB: what one send carries (a tensor larger than one is "
+        "sent in row blocks).")
     max_new_tokens: int = config_field(
         16, "With data.prompts: the most tokens a sample may take; EOS ends it earlier. A sample that reaches "
         "it is truncated (rollout/truncated_frac).")
@@ -60,12 +69,18 @@ class RolloutConfig:
                 raise ValueError(f"rollout.{name} must be >= {low}, got {getattr(self, name)}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"rollout.top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        if not 0 < self.sync_bucket_mb < math.inf:
+            raise ValueError(f"rollout.sync_bucket_mb must be finite and > 0, got {self.sync_bucket_mb}")
         if not 0 < self.temperature < math.inf:
             raise ValueError(f"rollout.temperature must be finite and > 0, got {self.temperature}")
         if self.credit == "token" and self.reward != "per_position":
             raise ValueError(f"rollout.credit='token' needs rollout.reward='per_position', got {self.reward!r}")
         if self.credit == "token" and self.variable_length:
             raise ValueError(f"rollout.credit='token' needs a fixed-length task, got task={self.task!r}")
+
+    @property
+    def sync_bucket_bytes(self) -> int:
+        return max(1, int(self.sync_bucket_mb * 2**20))
 
     @property
     def batch_size(self) -> int:

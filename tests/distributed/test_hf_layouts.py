@@ -4,7 +4,9 @@ qwen2 (tied embeddings, qkv bias) and qwen3_moe (qk-norm, 4 experts top-2) are l
 runner.model.build_model from model.hf_path and trained three steps (rollout anchor, SGD, fixed
 synthetic rollouts: a sampler a little behind the trainer) on one process and on tp=2 with sequence
 parallelism, pp=2 and (MoE) ep=2. Every step's metrics match the single process within 2e-4 and
-the export, hf.mapping.to_hf of the gathered state, within 1e-5.
+the export, hf.mapping.to_hf of the gathered state, within 1e-5. The dense model's weight stream
+(rollout/weight_stream.py, buckets of 4 KiB: TP gathered a row block at a time, the second stage's
+sender forwarding to rank 0), assembled on rank 0, is that export bit for bit.
 """
 import pytest
 import torch
@@ -18,6 +20,7 @@ N, S = 8, 15
 LENGTHS = [16, 5, 9, 12, 3, 14, 7, 11]
 METRIC_TOL, EXPORT_TOL = 2e-4, 1e-5
 PER_RANK = {"step/forward_calls", "step/microbatches"}
+BUCKET = 4096  # bytes
 
 
 def make_rollouts(vocab: int, step: int):
@@ -63,8 +66,25 @@ def worker(layout: dict, paths: dict, families):
             batch = Rollouts(tokens=shard.tokens, loss_mask=shard.loss_mask, advantages=shard.advantages,
                              lengths=shard.lengths, rollout_logprobs=sampled)
             metrics.append(policy_step(chunks, opt, batch, loss_cfg, step_cfg, vocab_size=cfg.vocab_size))
-        out[family] = (metrics, to_hf(gather_full_state(chunks), cfg.arch))
+        out[family] = (metrics, to_hf(gather_full_state(chunks), cfg.arch), *_streamed(chunks, cfg.arch))
     return out
+
+
+def _streamed(chunks, arch):
+    """(the weight stream assembled into HF tensors: rank 0 only, each bucket's size): dense models only."""
+    import torch.distributed as dist
+
+    from megatron_cispo.hf.mapping import hf_shapes
+    from megatron_cispo.rollout.weight_receiver import Staging
+    from megatron_cispo.rollout.weight_stream import hf_namer, stream_buckets
+    if arch.num_experts:
+        return None, []
+    staging, sizes = Staging(hf_shapes(arch)), []
+    for bucket in stream_buckets(chunks, namer=hf_namer(arch), bucket_bytes=BUCKET):
+        sizes.append(bucket.data.numel())
+        staging.add(bucket.blocks, bucket.data)
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    return (staging.complete() if rank0 else None), sizes
 
 
 @pytest.fixture(scope="module")
@@ -81,13 +101,20 @@ def test_three_cispo_steps_match_single_process(hf_models, reference, layout, fa
     world = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("ep", 1)
     results = spawn(worker, world, (layout, hf_models, families))
     for family in families:
-        ref_metrics, ref_export = reference[family]
+        ref_metrics, ref_export = reference[family][:2]
         assert ref_metrics[-1]["step/optimizer_steps"] == 1.0 and ref_metrics[-1]["step/grad_norm"] > 0
         loaded = load_file(f"{hf_models[family]}/model.safetensors")
         moved = max((ref_export[k] - loaded[k]).abs().max().item() for k in loaded)
         assert moved > 100 * EXPORT_TOL, f"{family}: three steps moved no weight by more than {moved:.3g}"
         for rank, res in enumerate(results):
-            metrics, export = res[family]
+            metrics, export, streamed, sizes = res[family]
+            if family != "qwen3_moe" and rank == 0:  # the stream is the export, exactly
+                assert len(sizes) >= 10 and max(sizes) <= BUCKET, sizes
+                assert set(streamed) == set(export)
+                for name, t in export.items():
+                    assert torch.equal(streamed[name], t), f"stream {family} {name}"
+            elif family != "qwen3_moe":
+                assert streamed is None and sizes == [], (rank, sizes)  # only rank 0 receives buckets
             for step, (got, want) in enumerate(zip(metrics, ref_metrics)):
                 assert set(got) == set(want), f"{family} step {step}"
                 for key, value in want.items():

@@ -1,7 +1,9 @@
 """VLLMEngine (vLLM in a child process) on a tiny qwen2 against transformers on the same weights: fp32
-processed logprobs and kept sets, stop tokens, seeds, weight reload with the prefix cache reset, tied
-logits; start failures, a dying or hung child and a dying trainer as one EngineError line or a clean
-exit. One engine per module. Skipped without vLLM unless CISPO_REQUIRE_VLLM=1 (then it fails)."""
+processed logprobs and kept sets, stop tokens, seeds, weights pushed in buckets through vLLM's
+weight-transfer API (all or nothing: a short or failing push keeps the previous weights) and reloaded
+from a directory, each with the prefix cache reset, tied logits; start failures, a dying or hung child
+and a dying trainer as one EngineError line or a clean exit. One engine per module (it takes both
+kinds of update). Skipped without vLLM unless CISPO_REQUIRE_VLLM=1 (then it fails)."""
 import json
 import os
 import signal
@@ -35,9 +37,26 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model):
-    eng = VLLMEngine(model, precision="fp32", max_model_len=64, seed=0, kept_sets=True)
+    # stream=True with the model's own weights loaded at start (a run starts on placeholder weights): the
+    # one engine takes both a push and a reload from a directory
+    eng = VLLMEngine(model, precision="fp32", max_model_len=64, seed=0, kept_sets=True, stream=True,
+                     engine_kwargs={"load_format": "auto"})
     yield eng
     eng.close()
+
+
+BUCKET = 4096  # bytes: a tiny model's push then takes hundreds of buckets, its embedding several
+
+
+def _push(engine, model_dir, tensors=None):
+    from safetensors.torch import load_file
+
+    from megatron_cispo.hf.arch import read_arch
+    from megatron_cispo.hf.mapping import hf_shapes
+    from megatron_cispo.rollout.weight_stream import tensor_buckets
+    if tensors is None:
+        tensors = load_file(f"{model_dir}/model.safetensors")
+    return engine.push(tensor_buckets(tensors, BUCKET), manifest=hf_shapes(read_arch(model_dir)), bucket_bytes=BUCKET)
 
 
 def _variant(src, out, change):
@@ -124,6 +143,39 @@ def test_load_weights_makes_the_logprobs_the_new_models(engine, model, tmp_path)
             _check_against(model, out, 20, 0.9, bound=1e-2)
     finally:
         engine.load_weights(model)
+
+
+@needs_vllm
+def test_a_bucketed_push_makes_the_logprobs_the_new_models_and_a_failed_one_keeps_the_old(engine, model, tmp_path):
+    from safetensors.torch import load_file
+    g = torch.Generator().manual_seed(2)
+    new = _variant(model, tmp_path / "new", lambda k, v: v + 0.05 * torch.randn(v.shape, generator=g))
+    weights = load_file(f"{new}/model.safetensors")
+    args = dict(seeds=SEEDS, top_k=20, top_p=0.9, **KW)
+    try:
+        info = _push(engine, new)
+        assert info["sync/buckets"] >= 10 and info["sync/bytes"] == sum(t.nbytes for t in weights.values())
+        pushed = engine.generate(PROMPTS, **args)
+        _check_against(new, pushed, 20, 0.9)  # the tied head follows the pushed embedding
+        short = dict(list(weights.items())[:-1])  # one tensor never arrives
+        with pytest.raises(EngineError, match="loading the streamed weights failed: ValueError: weight stream "
+                                              "ended with .* missing .* the engine keeps its previous weights"):
+            _push(engine, model, {k: v * 0 for k, v in short.items()})
+
+        def dies_midway():
+            from megatron_cispo.rollout.weight_stream import tensor_buckets
+            for i, b in enumerate(tensor_buckets({k: v * 0 for k, v in weights.items()}, BUCKET)):
+                if i == 20:
+                    raise RuntimeError("the trainer's stream broke")
+                yield b
+        from megatron_cispo.hf.arch import read_arch
+        from megatron_cispo.hf.mapping import hf_shapes
+        with pytest.raises(RuntimeError, match="stream broke"):
+            engine.push(dies_midway(), manifest=hf_shapes(read_arch(new)), bucket_bytes=BUCKET)
+        after = engine.generate(PROMPTS, **args)  # neither failed push moved a weight
+        assert [[c.logprobs for c in s] for s in after] == [[c.logprobs for c in s] for s in pushed]
+    finally:
+        _push(engine, model)
 
 
 @needs_vllm
