@@ -71,7 +71,7 @@ def check_sources(cfg) -> Optional[PromptStream]:
         from ..rollout.weight_stream import bucket_problem, stream_problem
 
         problem = problem or stream_problem(cfg.model.arch) or bucket_problem(
-            cfg.model.arch, cfg.rollout.sync_bucket_bytes, tp=cfg.parallelism.tp)
+            cfg.model.arch, cfg.rollout.sync_bucket_mb, tp=cfg.parallelism.tp)
     if problem:
         raise ValueError(problem)
     return stream

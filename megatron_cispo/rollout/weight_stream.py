@@ -270,15 +270,16 @@ def _is_sender(chunks) -> bool:
                for name, _ in getattr(chunk, "module", chunk).named_parameters())
 
 
-def bucket_problem(arch, bucket_bytes: int, *, tp: int) -> Optional[str]:
-    """One line when a bucket cannot hold one gathered row of some tensor of `arch` (fp32, over tp ranks)."""
+def bucket_problem(arch, bucket_mb: float, *, tp: int) -> Optional[str]:
+    """One line when a bucket of `bucket_mb` MiB cannot hold one gathered row of some tensor of `arch`
+    (fp32, over tp ranks), else None."""
     from ..hf.mapping import hf_shapes
 
     for name, shape in hf_shapes(arch).items():
         row = _numel(shape[1:]) * 4 * tp
-        if row > bucket_bytes:
-            return (f"rollout.sync_bucket_mb={bucket_bytes / 2**20:g} is smaller than one row of {name} gathered over "
-                    f"tp={tp} ({row} bytes in fp32); raise it")
+        if row > bucket_mb * 2**20:
+            return (f"rollout.sync_bucket_mb={bucket_mb:g} ({int(bucket_mb * 2**20)} bytes) is smaller than one row "
+                    f"of {name} gathered over tp={tp} ({row} bytes in fp32); raise it")
     return None
 
 

@@ -1,6 +1,7 @@
 """data.prompts / data.reward / rollout.engine=vllm: bad input is one line and exit 2, nothing written.
 
-`train --check` reads the prompt file (every row tokenized), imports the reward, then looks for vLLM, so
+`train --check` reads the prompt file (every row tokenized), imports the reward, then looks for vLLM and
+checks the weight stream's bucket (rollout.sync_bucket_mb against the widest row), so
 the launch scripts refuse them before any rank starts; a run does the same before run_dir is claimed,
 said once by rank 0, and an earlier run's files stay where they were.
 """
@@ -51,7 +52,12 @@ def test_prompt_file_and_reward_problems_are_one_line_each(capsys, model, tmp_pa
         (["data.reward=no_such_module:f"], "no_such_module"),
         ([f"data.reward={reward_file}:nope"], "nope"),
         (["data.split=test"], "no split 'test' (data.split)"),
+        (["rollout.sync_bucket_mb=0"], "rollout.sync_bucket_mb must be finite and > 0, got 0"),
+        (["rollout.sync=nccl"], "rollout.sync"),
     ]
+    if HAS_VLLM:  # read after vLLM is found
+        cases.append((["rollout.sync_bucket_mb=0.0001"], "rollout.sync_bucket_mb=0.0001 (104 bytes) is smaller than one row of "
+                                                         "model.embed_tokens.weight gathered over tp=2"))
     for overrides, needle in cases:
         err = _check(capsys, model, *overrides)
         assert needle in err, (needle, err)

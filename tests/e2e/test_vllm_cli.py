@@ -4,8 +4,11 @@ reward scores it; megatron trains on 2 gloo ranks.
 
 With fp32, rollout.staleness=0 and the rollout anchor, the CISPO ratio pi_theta / pi_rollout is the
 sampler/trainer mismatch itself, so every step's ratio within 1e-4 of 1 shows that each sync reached
-the engine and its prefix cache was reset (a stale engine or cache gives ratios far from 1). With
-staleness 1 it is not. With top_p the trainer scores over vLLM's kept sets (sampling-mask replay).
+the engine and its prefix cache was reset (a stale engine or cache gives ratios far from 1). The
+weights are streamed (rollout.sync=stream) in buckets small enough to take at least 10 per sync:
+on dp 2 (tied model), on tp 2 with sequence parallelism (untied, top_p: the trainer scores over
+vLLM's kept sets) and on pp 2 with staleness 1, where the ratio is off 1 and every step equals the
+disk fallback's (rollout.sync=disk), which shows the lagged versions kept as shards are the right ones.
 A run killed (SIGKILL) and resumed continues the prompt stream from its checkpoint exactly, its vLLM
 process dies with it, and the new engine starts on the checkpoint's weights (the ratio stays within
 1e-4 of 1 after the resume).
@@ -29,7 +32,9 @@ if importlib.util.find_spec("vllm") is None:
 
 FAST = ["rollout.precision=fp32", "rollout.staleness=0", "rollout.prompts_per_step=4", "rollout.group_size=4",
         "parallelism.micro_batch_size=8", "parallelism.tp=1", "parallelism.sequence_parallel=false",
-        "run.log_interval=1", "run.tensorboard=false", "run.checkpoint_interval=0", "optimizer.lr=1e-2"]
+        "run.log_interval=1", "run.tensorboard=false", "run.checkpoint_interval=0", "optimizer.lr=1e-2",
+        "rollout.sync_bucket_mb=0.02"]  # about 20 KiB: 15 buckets of the 285 KB model
+MIN_BUCKETS = 10
 
 
 # The shipped exact-match reward is 0 for nearly every sample of a random model, and a step without
@@ -45,6 +50,13 @@ def model(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_cli")
     (root / "spread.py").write_text(REWARD)
     return make_tiny_hf("qwen2", root / "qwen2", vocab=16, heads=2, kv_heads=2, seed=3)
+
+
+@pytest.fixture(scope="module")
+def untied(model):
+    from megatron_cispo.tools.make_tiny_hf import make_tiny_hf
+
+    return make_tiny_hf("qwen2", model.parent / "qwen2_untied", vocab=16, heads=2, kv_heads=2, seed=4, tie=False)
 
 
 def _run(model, run_dir, *overrides, steps: int) -> list[dict]:
@@ -95,19 +107,28 @@ def test_staleness_0_fp32_ratio_is_1_every_step_and_a_killed_run_resumes_the_pro
     for r in recs:
         assert _off_one(r) <= 1e-4, (r["step"], r["cispo/ratio_min"], r["cispo/ratio_max"])
         assert r["policy_version_lag"] == 0 and r["sync/bytes"] > 0 and r["rollout/seconds"] > 0
+        assert r["sync/buckets"] >= MIN_BUCKETS, r["sync/buckets"]
     # 4 prompts a step: the stream runs on across the kill and resume, none twice, none skipped
     assert [r["rollout/prompt_index_first"] for r in recs] == [4 * i for i in range(saved + 2)]
     assert "rollout/engine_start_s" in recs[saved]  # the resumed run's engine, on the checkpoint's weights
 
 
-def test_staleness_1_moves_the_ratio_off_1(model, tmp_path):
-    recs = _run(model, tmp_path / "run", "rollout.staleness=1", steps=3)
+def test_staleness_1_on_pp2_moves_the_ratio_off_1_and_streamed_equals_disk_step_for_step(model, tmp_path):
+    pp2 = ["parallelism.pp=2", "rollout.staleness=1"]
+    recs = _run(model, tmp_path / "stream", *pp2, steps=3)
     assert [r["policy_version_lag"] for r in recs] == [0, 1, 1]
     assert _off_one(recs[0]) <= 1e-4
     assert min(_off_one(r) for r in recs[1:]) > 1e-3, [_off_one(r) for r in recs]
+    assert all(r["sync/buckets"] >= MIN_BUCKETS for r in recs if r["sync/bytes"]), [r.get("sync/buckets") for r in recs]
+    disk = _run(model, tmp_path / "disk", *pp2, "rollout.sync=disk", steps=3)
+    for a, b in zip(recs, disk):
+        for key in ("cispo/ratio_min", "cispo/ratio_max", "cispo/ratio_mean", "loss", "grad_norm", "reward_mean"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
 
 
-def test_top_p_0_9_replays_vllms_kept_sets_ratio_still_1(model, tmp_path):
-    recs = _run(model, tmp_path / "run", "rollout.top_p=0.9", steps=2)
+def test_top_p_0_9_on_tp2_sp_untied_replays_vllms_kept_sets_ratio_still_1(untied, tmp_path):
+    recs = _run(untied, tmp_path / "run", "rollout.top_p=0.9", "parallelism.tp=2", "parallelism.sequence_parallel=true",
+                steps=2)
     for r in recs:
         assert _off_one(r) <= 1e-4, (r["step"], r["cispo/ratio_min"], r["cispo/ratio_max"])
+        assert r["sync/buckets"] >= MIN_BUCKETS, r["sync/buckets"]
