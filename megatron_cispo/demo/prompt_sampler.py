@@ -209,20 +209,22 @@ class PromptSampler(Sampler):
         if held is None and version != self.live and self._sends():
             raise RuntimeError(f"sampler: version {version} is neither held nor live ({self.live})")
         arch, size = self.model_cfg.arch, self.cfg.sync_bucket_bytes
-        buckets = stream_buckets(self.chunks, namer=hf_namer(arch), bucket_bytes=size, tensors=held)
+        stream = lambda buffer=None: stream_buckets(self.chunks, namer=hf_namer(arch), bucket_bytes=size,  # noqa: E731
+                                                    tensors=held, buffer=buffer)
         if self.rank != 0:
-            for _ in buckets:
+            for _ in stream():
                 pass
             self.loaded = version
             return {}, None
-        info, error = {}, None
+        info, error, buckets = {}, None, None
         try:
             if self.engine_ is None:
                 info.update(self._start_engine(self.model_cfg.hf_path, stream=True))
+            buckets = stream(self.engine_.buffer(hf_shapes(arch), size))  # packed in the engine's shared file
             info.update(self.engine_.push(buckets, manifest=hf_shapes(arch), bucket_bytes=size))
         except Exception as e:  # noqa: BLE001 - reported on every rank through the batch's broadcast
             error = f"weight sync of policy version {version} failed: {e}"
-        for _ in buckets:  # a failed push: the other senders' buckets still have to be received
+        for _ in buckets if buckets is not None else stream():  # after a failure the other senders still send
             pass
         self.loaded = None if error else version
         return info, error

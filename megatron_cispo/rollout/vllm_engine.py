@@ -154,12 +154,13 @@ class VLLMEngine:
         EngineError, or the stream's own exception. manifest: every HF tensor a complete push holds.
         Returns {"sync/seconds", "sync/bytes", "sync/buckets"}."""
         t0, nbytes, count = time.perf_counter(), 0, 0
-        buf = self._open_shm(manifest, bucket_bytes)
+        buf = self.buffer(manifest, bucket_bytes)
         self._call("wstart", None, "starting a weight update", self.call_timeout_s, "see the log")
         try:
             for bucket in buckets:
                 n = bucket.data.numel()
-                buf[:n].copy_(bucket.data.view(-1).cpu())
+                if bucket.data.data_ptr() != buf.data_ptr():  # not packed in place (stream_buckets(buffer=))
+                    buf[:n].copy_(bucket.data.view(-1).cpu())
                 self._call("wupdate", {"blocks": [astuple(b) for b in bucket.blocks], "nbytes": n},
                            f"receiving weight bucket {count}", self.call_timeout_s, "see the log", fatal=False)
                 nbytes, count = nbytes + n, count + 1
@@ -171,8 +172,9 @@ class VLLMEngine:
                    "the stream must hold every tensor of the engine's model", fatal=False)
         return {"sync/seconds": time.perf_counter() - t0, "sync/bytes": float(nbytes), "sync/buckets": float(count)}
 
-    def _open_shm(self, manifest: dict, bucket_bytes: int) -> torch.Tensor:
-        """The shared bucket file, made and announced to the engine (winit) on the first push."""
+    def buffer(self, manifest: dict, bucket_bytes: int) -> torch.Tensor:
+        """The shared bucket file ([bucket_bytes] uint8, mapped here and in the engine), made and announced
+        to the engine (winit) on first use: pack buckets straight into it (stream_buckets(buffer=))."""
         if self._shm is not None and self._shm[1].numel() == bucket_bytes:
             return self._shm[1]
         self._close_shm()

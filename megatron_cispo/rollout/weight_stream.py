@@ -5,7 +5,8 @@
 
 Per PP stage one rank sends: the one with DP = CP = 0 and TP rank 0. Its TP peers gather their shards
 to it a row block at a time (dist.gather over TP), so no rank holds more than one gathered block and one
-bucket beyond the model: about 2 x bucket_bytes. Tensors keep the parameters' dtype. The other stages'
+bucket beyond the model: about 2 x bucket_bytes (the receiving rank packs into the engine's buffer).
+Tensors keep the parameters' dtype. The other stages'
 senders forward their buckets to `dst` point to point, stage by stage. `namer` names each block by the
 HF export mapping (hf/mapping.pieces) or by megatron's full tensors (megatron_namer); a receiver writes
 block b into the full tensor b.name at rows b.row.., columns b.col.. (rollout/weight_receiver.py).
@@ -112,10 +113,10 @@ def hf_namer(arch) -> Namer:
 
 
 class _Packer:
-    """Fills one preallocated bucket; full() says when the next block must go to a new one."""
+    """Fills one bucket buffer (`buffer`, or a new one); fits() says when the next block needs the next bucket."""
 
-    def __init__(self, nbytes: int, device):
-        self.data = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    def __init__(self, nbytes: int, device, buffer: Optional[Tensor] = None):
+        self.data = buffer if buffer is not None else torch.empty(nbytes, dtype=torch.uint8, device=device)
         self.blocks: list[Block] = []
         self.used = 0
 
@@ -165,14 +166,14 @@ def _tensors(chunks, tensors):
             yield mod, name, p, (p.detach() if tensors is None else tensors[i][name])
 
 
-def _own_buckets(chunks, namer: Namer, bucket_bytes: int, tensors) -> Iterator[Bucket]:
+def _own_buckets(chunks, namer: Namer, bucket_bytes: int, tensors, buffer=None) -> Iterator[Bucket]:
     """This rank's part of the stream: TP gathers (as sender or peer); buckets only on senders."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
     if mpu.get_data_parallel_rank(with_context_parallel=True) != 0:
         return
-    packer = None
+    packer, scratch = None, {}
     for mod, name, p, t in _tensors(chunks, tensors):
         group, size, rank = shard_group(name)
         split = bool(getattr(p, "tensor_model_parallel", False)) and size > 1
@@ -193,12 +194,11 @@ def _own_buckets(chunks, namer: Namer, bucket_bytes: int, tensors) -> Iterator[B
         if not any(regions.values()):
             continue  # nothing of it is sent (every TP rank decides alike)
         if packer is None and rank == 0:
-            packer = _Packer(bucket_bytes, t.device)
+            packer = _Packer(bucket_bytes, t.device, buffer)
         for s in range(0, t.shape[0], rows):
             part = t[s:s + rows].contiguous()
             if split:
-                parts = [torch.empty_like(part) for _ in range(size)] if rank == 0 else None
-                dist.gather(part, parts, dst=dist.get_global_rank(group, 0), group=group)
+                parts = _gather(part, group, size, rank, scratch)
             else:
                 parts = [part]
             if rank != 0:
@@ -220,7 +220,27 @@ def _own_buckets(chunks, namer: Namer, bucket_bytes: int, tensors) -> Iterator[B
             yield last
 
 
-def stream_buckets(chunks, *, namer: Namer, bucket_bytes: int, tensors=None, dst: int = 0) -> Iterator[Bucket]:
+def _gather(part: Tensor, group, size: int, rank: int, scratch: dict) -> Optional[list[Tensor]]:
+    """TP rank 0: every TP rank's `part` (same shape), received into one reused buffer (`scratch`, at
+    most a bucket); the other ranks send theirs and get None. Point to point: gloo's gather was 5x slower."""
+    import torch.distributed as dist
+
+    if rank != 0:
+        dist.send(part, dst=dist.get_global_rank(group, 0), group=group)
+        return None
+    n = part.numel() * part.element_size()
+    buf = scratch.get(part.device)
+    if buf is None or buf.numel() < n * (size - 1):
+        buf = scratch[part.device] = torch.empty(max(n * (size - 1), 1 << 20), dtype=torch.uint8, device=part.device)
+    parts = [part] + [buf[i * n:(i + 1) * n].view(part.dtype).view(part.shape) for i in range(size - 1)]
+    reqs = [dist.irecv(x, src=dist.get_global_rank(group, r), group=group) for r, x in enumerate(parts[1:], 1)]
+    for q in reqs:
+        q.wait()
+    return parts
+
+
+def stream_buckets(chunks, *, namer: Namer, bucket_bytes: int, tensors=None, dst: int = 0,
+                   buffer: Optional[Tensor] = None) -> Iterator[Bucket]:
     """Collective over the world: the model's weights as buckets of at most `bucket_bytes`, yielded on
     rank `dst` only (every other rank must still run the generator to its end).
 
@@ -228,11 +248,15 @@ def stream_buckets(chunks, *, namer: Namer, bucket_bytes: int, tensors=None, dst
     chunk {local parameter name: tensor} (a lagged version's shards, same shapes). Senders other than
     dst send each bucket's block list (send_object_list) and bytes (send) to dst, stage after stage;
     dst yields its own first, then theirs. A bucket's data is reused: use it before the next one.
+    buffer: dst's bucket memory ([bucket_bytes] uint8, e.g. the engine's shared file): every bucket dst
+    yields is packed or received there, so dst holds one bucket plus one gathered row block.
     """
     import torch.distributed as dist
 
+    if buffer is not None and buffer.numel() < bucket_bytes:
+        raise ValueError(f"buffer holds {buffer.numel()} bytes, less than bucket_bytes={bucket_bytes}")
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        yield from _own_buckets(chunks, namer, bucket_bytes, tensors)
+        yield from _own_buckets(chunks, namer, bucket_bytes, tensors, buffer)
         return
     me = dist.get_rank()
     sends = _is_sender(chunks)
@@ -241,8 +265,8 @@ def stream_buckets(chunks, *, namer: Namer, bucket_bytes: int, tensors=None, dst
     device = next(iter(_tensors(chunks, tensors)))[3].device
     obj_dev = None if device.type == "cpu" else device
     if me == dst:
-        yield from _own_buckets(chunks, namer, bucket_bytes, tensors)
-        buf = torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
+        yield from _own_buckets(chunks, namer, bucket_bytes, tensors, buffer)
+        buf = buffer if buffer is not None else torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
         for src in (r for r, s in enumerate(senders) if s and r != dst):
             while True:
                 box = [None]
