@@ -263,7 +263,8 @@ def _export_hf(t: _Trainer, step: int) -> None:
     """Collective: the model as a Hugging Face directory (hf/export.py); SaveFailed on every rank if not written."""
     from ..hf.export import export_chunks
 
-    export_chunks(t.chunks, t.cfg.model.arch, hf_dir(t.cfg.run.run_dir, step), step=step)
+    export_chunks(t.chunks, t.cfg.model.arch, hf_dir(t.cfg.run.run_dir, step), step=step,
+                  bucket_bytes=t.cfg.rollout.sync_bucket_bytes)
 
 
 def _step(t: _Trainer, step: int):

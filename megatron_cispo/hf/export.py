@@ -1,7 +1,7 @@
 """Write a Hugging Face model directory (what transformers, vLLM and SGLang load) from the trained model.
 
     write_hf_dir(to_hf(full_state, arch), arch, "runs/x/hf/step_10")   # one process: the files
-    export_chunks(chunks, arch, "runs/x/hf/step_10")                   # collective: gather, rank 0 writes
+    export_chunks(chunks, arch, "runs/x/hf/step_10")                   # collective: streamed, rank 0 writes
 
 The directory holds the source model's config.json (unchanged), its generation config and tokenizer
 files, MARKER (the step, the source, this package's version), and the weights in safetensors: `model.safetensors`, or shards `model-0000k-of-0000n.safetensors`
@@ -68,12 +68,36 @@ def write_hf_dir(hf_tensors: dict[str, Tensor], arch: HFArch, out_dir, *, dtype:
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
-    from .. import __version__
     from .load import source_dtype
+
+    dtype = dtype or source_dtype(arch)
+
+    def weights(tmp: Path) -> None:
+        tensors = {name: t.detach().to(device="cpu", dtype=dtype).contiguous() for name, t in hf_tensors.items()}
+        split = split_torch_state_dict_into_shards(tensors, filename_pattern="model{suffix}.safetensors",
+                                                   max_shard_size=max_shard_bytes)
+        for file, names in split.filename_to_tensors.items():
+            save_file({n: tensors[n] for n in names}, str(tmp / file), metadata={"format": "pt"})
+            files_.fsync_path(tmp / file)
+        if split.is_sharded:
+            _write_index(tmp, split.tensor_to_filename, split.metadata["total_size"],
+                         sum(t.numel() for t in tensors.values()))
+    return _write_dir(arch, out_dir, step, weights)
+
+
+def _write_index(tmp: Path, weight_map: dict, total_size: int, total_parameters: int) -> None:
+    index = {"metadata": {"total_parameters": total_parameters, "total_size": total_size}, "weight_map": weight_map}
+    text = json.dumps(index, indent=2, sort_keys=True) + "\n"
+    files_.write_durable(tmp / INDEX, lambda f: f.write(text.encode()))
+
+
+def _write_dir(arch: HFArch, out_dir, step, weights) -> Path:
+    """out_dir written through `.<name>.tmp`: the source's config and tokenizer files, MARKER, then
+    weights(tmp) (the safetensors and index); renamed into place when complete, removed on failure."""
+    from .. import __version__
 
     out = Path(out_dir)
     check_out(out, arch.path)
-    dtype = dtype or source_dtype(arch)
     tmp = tmp_dir(out)
     shutil.rmtree(tmp, ignore_errors=True)  # left by an export that crashed
     try:
@@ -82,17 +106,7 @@ def write_hf_dir(hf_tensors: dict[str, Tensor], arch: HFArch, out_dir, *, dtype:
             files_.write_durable(tmp / src.name, lambda f, s=src: f.write(s.read_bytes()))
         mark = json.dumps({"megatron_cispo": __version__, "source": str(arch.path), "step": step}, indent=2) + "\n"
         files_.write_durable(tmp / MARKER, lambda f: f.write(mark.encode()))
-        tensors = {name: t.detach().to(device="cpu", dtype=dtype).contiguous() for name, t in hf_tensors.items()}
-        split = split_torch_state_dict_into_shards(tensors, filename_pattern="model{suffix}.safetensors",
-                                                   max_shard_size=max_shard_bytes)
-        for file, names in split.filename_to_tensors.items():
-            save_file({n: tensors[n] for n in names}, str(tmp / file), metadata={"format": "pt"})
-            files_.fsync_path(tmp / file)
-        if split.is_sharded:
-            index = {"metadata": {"total_parameters": sum(t.numel() for t in tensors.values()), **split.metadata},
-                     "weight_map": split.tensor_to_filename}
-            text = json.dumps(index, indent=2, sort_keys=True) + "\n"
-            files_.write_durable(tmp / INDEX, lambda f: f.write(text.encode()))
+        weights(tmp)
         files_.replace_dir(tmp, out)
         files_.fsync_path(out.parent)
     except BaseException:
@@ -101,30 +115,107 @@ def write_hf_dir(hf_tensors: dict[str, Tensor], arch: HFArch, out_dir, *, dtype:
     return out
 
 
-def export_chunks(chunks, arch: HFArch, out_dir, *, dtype: torch.dtype | None = None,
-                  step: int | None = None) -> Path:
-    """Collective over the world: gather every parameter (runner.weights.gather_full_state), map it to
-    HF names (hf.mapping.to_hf) and write `out_dir` on rank 0; every rank returns after rank 0 is done.
-    A failure on rank 0 raises checkpoint_save.SaveFailed with one line on every rank.
+def write_hf_stream(tensors, arch: HFArch, out_dir, *, dtype: torch.dtype | None = None,
+                    max_shard_bytes: int = MAX_SHARD_BYTES, step: int | None = None) -> Path:
+    """write_hf_dir for tensors that arrive one by one ((HF name, tensor) pairs, each complete): a shard
+    is written as soon as it is full (the same greedy split as save_pretrained, in arrival order), so
+    this holds one shard, never the model. The same directory, files and guarantees as write_hf_dir."""
+    from safetensors.torch import save_file
 
-    gather_full_state brings the whole model, in fp32, to the CPU memory of every rank (an
-    all_gather_object of each rank's parameters): fine for tests and small models, a limit for large
-    ones (docs/launch.md, "Exporting")."""
+    from .load import source_dtype
+
+    dtype = dtype or source_dtype(arch)
+
+    def weights(tmp: Path) -> None:
+        files, shard, size, total, params = [], {}, 0, 0, 0
+
+        def flush():
+            nonlocal shard, size
+            if shard:
+                files.append((tmp / f".part-{len(files)}.safetensors", sorted(shard)))
+                save_file(shard, str(files[-1][0]), metadata={"format": "pt"})
+                files_.fsync_path(files[-1][0])
+            shard, size = {}, 0
+        for name, t in tensors:
+            t = t.detach().to(device="cpu", dtype=dtype).contiguous()
+            n = t.numel() * t.element_size()
+            if shard and size + n > max_shard_bytes:
+                flush()
+            shard[name], size, total, params = t, size + n, total + n, params + t.numel()
+        flush()
+        if len(files) == 1:
+            files[0][0].rename(tmp / WEIGHTS)
+        else:
+            weight_map = {}
+            for k, (part, names) in enumerate(files, 1):
+                final = f"model-{k:05d}-of-{len(files):05d}.safetensors"
+                part.rename(tmp / final)
+                weight_map.update({n: final for n in names})
+            _write_index(tmp, weight_map, total, params)
+        files_.fsync_path(tmp)
+    return _write_dir(arch, out_dir, step, weights)
+
+
+def export_chunks(chunks, arch: HFArch, out_dir, *, dtype: torch.dtype | None = None,
+                  step: int | None = None, bucket_bytes: int = 256 * 2**20) -> Path:
+    """Collective over the world: the model as a Hugging Face directory `out_dir`, written by rank 0;
+    every rank returns after rank 0 is done. A failure on rank 0 raises checkpoint_save.SaveFailed with
+    one line on every rank.
+
+    Dense models are streamed (rollout/weight_stream.py: one sender per stage, buckets of
+    `bucket_bytes`), and rank 0 writes each safetensors shard as it fills (write_hf_stream): no rank
+    holds more than a shard and two buckets beyond the model. MoE models (the stream's schedule has
+    no expert senders yet) gather everything on every rank in fp32 (runner.weights.gather_full_state):
+    fine for tests and small models, a limit for large ones (docs/launch.md, "Exporting")."""
     import torch.distributed as dist
 
     from ..runner.checkpoint_save import SaveFailed, first_failure
-    from ..runner.weights import gather_full_state
-    from .mapping import to_hf
 
-    full = gather_full_state(chunks)
-    error = None
-    if dist.get_rank() == 0:
-        try:
-            write_hf_dir(to_hf(full, arch), arch, out_dir, dtype=dtype, step=step)
-        except files_.FAILURES as e:  # noqa: B014 - any failure: every rank must hear of it
-            error = f"Hugging Face export to {out_dir} not written: {files_.describe_error(e)}"
-    del full
+    error, rank0 = None, not dist.is_initialized() or dist.get_rank() == 0
+    try:
+        if arch.num_experts:
+            _export_gathered(chunks, arch, out_dir, dtype, step, rank0)
+        else:
+            _export_streamed(chunks, arch, out_dir, dtype, step, rank0, bucket_bytes)
+    except files_.FAILURES as e:  # noqa: B014 - any failure: every rank must hear of it
+        if not rank0:
+            raise
+        error = f"Hugging Face export to {out_dir} not written: {files_.describe_error(e)}"
     failed = first_failure(error)
     if failed is not None:
         raise SaveFailed(failed[1])
     return Path(out_dir)
+
+
+def _export_gathered(chunks, arch, out_dir, dtype, step, rank0: bool) -> None:
+    from ..runner.weights import gather_full_state
+    from .mapping import to_hf
+
+    full = gather_full_state(chunks)
+    if rank0:
+        write_hf_dir(to_hf(full, arch), arch, out_dir, dtype=dtype, step=step)
+
+
+def _export_streamed(chunks, arch, out_dir, dtype, step, rank0: bool, bucket_bytes: int) -> None:
+    from ..rollout.weight_receiver import Staging
+    from ..rollout.weight_stream import hf_namer, stream_buckets
+    from .mapping import hf_shapes
+
+    buckets = stream_buckets(chunks, namer=hf_namer(arch), bucket_bytes=bucket_bytes)
+    if not rank0:
+        for _ in buckets:
+            pass
+        return
+    staging = Staging(hf_shapes(arch))
+
+    def complete():
+        for bucket in buckets:
+            for name in staging.add(bucket.blocks, bucket.data):
+                yield name, staging.pop(name)
+        staging.complete()  # ValueError naming a tensor the stream never finished
+
+    try:
+        write_hf_stream(complete(), arch, out_dir, dtype=dtype, step=step)
+    finally:
+        for _ in buckets:  # after a failure the other senders still send: receive the rest
+            pass

@@ -21,9 +21,12 @@ class Staging:
         self.manifest = {k: tuple(v) for k, v in manifest.items()}
         self.tensors: dict[str, Tensor] = {}
         self.filled: dict[str, int] = {}
+        self.popped: set[str] = set()
 
-    def add(self, blocks: list[Block], data: Tensor) -> None:
-        """Copy each block out of `data` (its bucket's bytes) into its full tensor."""
+    def add(self, blocks: list[Block], data: Tensor) -> list[str]:
+        """Copy each block out of `data` (its bucket's bytes) into its full tensor; the names this
+        completed (pop() hands one over and frees it here)."""
+        done = []
         for b in blocks:
             want = self.manifest.get(b.name)
             if want is None:
@@ -42,10 +45,20 @@ class Staging:
             self.filled[b.name] = self.filled.get(b.name, 0) + src.numel()
             if self.filled[b.name] > dst.numel():
                 raise ValueError(f"weight stream: {b.name} received more elements than its shape {want} holds")
+            if self.filled[b.name] == dst.numel():
+                done.append(b.name)
+        return done
+
+    def pop(self, name: str) -> Tensor:
+        """Complete tensor `name`, handed over: this staging keeps only that it arrived."""
+        self.popped.add(name)
+        return self.tensors.pop(name)
 
     def complete(self) -> dict[str, Tensor]:
         """Every manifest tensor, fully written; ValueError naming the first one missing or short."""
         for name, shape in self.manifest.items():
+            if name in self.popped:
+                continue
             got, want = self.filled.get(name, 0), self.tensors[name].numel() if name in self.tensors else None
             if want is None or got != want:
                 raise ValueError(f"weight stream ended with {name} {'missing' if want is None else f'at {got}/{want} elements'}"

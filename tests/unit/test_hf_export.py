@@ -1,5 +1,6 @@
 """hf/export.write_hf_dir: a directory transformers loads with the source model's logits, sharded as
-transformers shards, written atomically (a failure leaves no half directory and keeps the old one)."""
+transformers shards, written atomically (a failure leaves no half directory and keeps the old one).
+write_hf_stream, for tensors that arrive one by one, writes the same directory shard by shard."""
 from __future__ import annotations
 
 import json
@@ -87,6 +88,29 @@ def test_sharded_export_has_an_index_that_transformers_loads(source, tmp_path):
     assert sorted(index["weight_map"]) == sorted(hf)
     assert set(index["weight_map"].values()) == {s.name for s in shards}
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in hf.values())
+    assert torch.equal(_logits(out), _logits(source))
+
+
+def test_a_streamed_export_is_the_same_model_in_the_same_shards(source, tmp_path):
+    """Sharded; the one-file case is every end-to-end export's (hf/export.export_chunks streams)."""
+    max_shard_bytes = 100_000
+    arch = read_arch(source)
+    hf = _tensors(source)
+    whole = export.write_hf_dir(hf, arch, tmp_path / "whole", max_shard_bytes=max_shard_bytes)
+    seen = []
+
+    def one_by_one():
+        for name, t in hf.items():
+            seen.append(name)
+            yield name, t
+    out = export.write_hf_stream(one_by_one(), arch, tmp_path / "streamed", max_shard_bytes=max_shard_bytes)
+    assert seen == list(hf)
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in whole.iterdir())
+    got = _tensors(out)
+    assert set(got) == set(hf) and all(torch.equal(got[k], hf[k].to(got[k].dtype)) for k in hf)
+    index = json.loads((out / export.INDEX).read_text())
+    assert index["metadata"] == json.loads((whole / export.INDEX).read_text())["metadata"]
+    assert all(s.stat().st_size <= max_shard_bytes + 10_000 for s in out.glob("model-*.safetensors"))
     assert torch.equal(_logits(out), _logits(source))
 
 
