@@ -273,8 +273,11 @@ class PromptSampler(Sampler):
             del self.versions[v]
 
     def resumed(self, step: int, chunks) -> None:
-        """After a checkpoint's load (rollout.sync=stream): its model is version `step`. The lagged versions
-        are not in the checkpoint, so the lag restarts at 0 and is back at rollout.staleness k steps later."""
+        """Collective, after a checkpoint's load: its model is version `step`. rollout.sync=stream: the
+        lagged versions are not in the checkpoint, so the lag restarts at 0 and is back at rollout.staleness
+        k steps later. rollout.sync=disk from a checkpoint without versions (a stream run's): gathered."""
+        if self.cfg.sync == "disk" and not self._versions_in_checkpoint:
+            super().push(step, chunks)
         if self.cfg.sync == "stream":
             self.versions = {}
             self.push(step, chunks)
@@ -314,6 +317,7 @@ class PromptSampler(Sampler):
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
+        self._versions_in_checkpoint = bool(state["versions"])  # alike on every rank: all read one file
         if self.rank != 0:
             self.versions = {}  # every rank read rank 0's state; only rank 0 samples from it
         if "prompts" not in state:
