@@ -222,7 +222,7 @@ def _own_buckets(chunks, namer: Namer, bucket_bytes: int, tensors, buffer=None) 
 
 def _gather(part: Tensor, group, size: int, rank: int, scratch: dict) -> Optional[list[Tensor]]:
     """TP rank 0: every TP rank's `part` (same shape), received into one reused buffer (`scratch`, at
-    most a bucket); the other ranks send theirs and get None. Point to point: gloo's gather was 5x slower."""
+    most a bucket); the other ranks send theirs and get None. Point to point: gloo's gather waited 3x longer."""
     import torch.distributed as dist
 
     if rank != 0:

@@ -53,7 +53,7 @@ def test_prompt_file_and_reward_problems_are_one_line_each(capsys, model, tmp_pa
         ([f"data.reward={reward_file}:nope"], "nope"),
         (["data.split=test"], "no split 'test' (data.split)"),
         (["rollout.sync_bucket_mb=0"], "rollout.sync_bucket_mb must be finite and > 0, got 0"),
-        (["rollout.sync=nccl"], "rollout.sync"),
+        (["rollout.sync=nccl"], "rollout.sync: expected 'stream' | 'disk', got str 'nccl'"),
     ]
     if HAS_VLLM:  # read after vLLM is found
         cases.append((["rollout.sync_bucket_mb=0.0001"], "rollout.sync_bucket_mb=0.0001 (104 bytes) is smaller than one row of "
