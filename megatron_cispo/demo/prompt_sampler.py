@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -35,6 +36,18 @@ from ..runner.weights import canonical_names
 from .metrics import say
 from .sampler import PAD, Batch, Sampler
 from .task import group_advantages
+
+
+# Test-only: "push:<version>" (after the first bucket of that version's push) or "generate:<step>" (the
+# 0-based step's rollout, its prompts taken, before vLLM generates): rank 0 writes run_dir/test_paused
+# and sleeps, so a test can SIGKILL the run at that point. Unset: nothing.
+TEST_PAUSE_ENV = "CISPO_TEST_PAUSE_IN"
+
+
+def _pause_for_tests(run_dir, where: str, n: int) -> None:
+    if os.environ.get(TEST_PAUSE_ENV) == f"{where}:{n}":
+        (Path(run_dir) / "test_paused").write_text(f"{where}:{n}\n")
+        time.sleep(600)
 
 
 class RolloutFailed(RuntimeError):
@@ -221,13 +234,19 @@ class PromptSampler(Sampler):
             if self.engine_ is None:
                 info.update(self._start_engine(self.model_cfg.hf_path, stream=True))
             buckets = stream(self.engine_.buffer(hf_shapes(arch), size))  # packed in the engine's shared file
-            info.update(self.engine_.push(buckets, manifest=hf_shapes(arch), bucket_bytes=size))
+            info.update(self.engine_.push(self._paused(buckets, version), manifest=hf_shapes(arch), bucket_bytes=size))
         except Exception as e:  # noqa: BLE001 - reported on every rank through the batch's broadcast
             error = f"weight sync of policy version {version} failed: {e}"
         for _ in buckets if buckets is not None else stream():  # after a failure the other senders still send
             pass
         self.loaded = None if error else version
         return info, error
+
+    def _paused(self, buckets, version: int):
+        for i, bucket in enumerate(buckets):
+            yield bucket
+            if i == 0:
+                _pause_for_tests(self.exp.run.run_dir, "push", version)
 
     @staticmethod
     def _sends() -> bool:
@@ -240,6 +259,7 @@ class PromptSampler(Sampler):
         version = self._held_version(step)
         info = dict(info) if info is not None else self._engine_at(version)
         r, g = self.cfg, self.cfg.group_size
+        _pause_for_tests(self.exp.run.run_dir, "generate", step)
         t0 = time.perf_counter()
         out = self.engine_.generate([p.token_ids for p in prompts], n=g, max_new_tokens=r.max_new_tokens,
                                     temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,

@@ -9,9 +9,9 @@ weights are streamed (rollout.sync=stream) in buckets small enough to take at le
 on dp 2 (tied model), on tp 2 with sequence parallelism (untied, top_p: the trainer scores over
 vLLM's kept sets) and on pp 2 with staleness 1, where the ratio is off 1 and every step equals the
 disk fallback's (rollout.sync=disk), which shows the lagged versions kept as shards are the right ones.
-A run killed (SIGKILL) and resumed continues the prompt stream from its checkpoint exactly, its vLLM
-process dies with it, and the new engine starts on the checkpoint's weights (the ratio stays within
-1e-4 of 1 after the resume).
+A run killed (SIGKILL) in a weight push, and again in a generation, and resumed each time continues the
+prompt stream from its checkpoint exactly, its vLLM process dies with it, and the new engine starts on
+the checkpoint's weights (the ratio stays within 1e-4 of 1 after each resume).
 """
 import importlib.util
 import os
@@ -86,31 +86,48 @@ def _engine_children(pid: int) -> list[int]:
     return found
 
 
-def test_staleness_0_fp32_ratio_is_1_every_step_and_a_killed_run_resumes_the_prompt_stream(model, tmp_path):
+def test_staleness_0_fp32_ratio_is_1_every_step_through_kills_in_a_weight_push_and_in_a_generation(
+        model, tmp_path, monkeypatch):
+    """Killed (SIGKILL) after the first bucket of version 3's push, resumed, killed again in step 5's
+    rollout (its prompts taken, vLLM about to generate), resumed to the end: one engine per launch,
+    which dies with its trainer; no prompt lost or trained twice; the ratio within 1e-4 of 1 on every
+    step, the steps after each resume included (the new engine has the checkpoint's weights)."""
+    from megatron_cispo.demo.prompt_sampler import TEST_PAUSE_ENV
+
     run_dir = tmp_path / "run"
     reward = f"data.reward={model.parent / 'spread.py'}:spread"
-    job = Job(tmp_path, 2, [YAML, f"model.hf_path={model}", f"run.run_dir={run_dir}", "run.steps=100000", reward,
-                            *FAST, "run.checkpoint_interval=2"])
-    try:
-        job.wait_for_steps(run_dir, 3, timeout=300)
-        engines = _engine_children(job.workers()[0])
-        assert len(engines) == 1, engines
-    finally:
-        job.kill()  # SIGKILL: no checkpoint at exit, the last one is from a step divisible by 2
-    deadline = time.monotonic() + 30  # the engine process dies with the trainer that started it
-    while Path(f"/proc/{engines[0]}").exists() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not Path(f"/proc/{engines[0]}").exists(), "the vLLM child outlived the killed trainer"
-    saved = int(checkpoint.last_complete(run_dir).name.split("_")[-1])
-    recs = _run(model, run_dir, "run.checkpoint_interval=2", "run.resume=true", steps=saved + 2)
-    assert [r["step"] for r in recs] == list(range(1, saved + 3))
+    args = [YAML, f"model.hf_path={model}", f"run.run_dir={run_dir}", "run.steps=100000", reward, *FAST,
+            "run.checkpoint_interval=2"]
+    for launch, pause in enumerate(("push:3", "generate:4")):
+        monkeypatch.setenv(TEST_PAUSE_ENV, pause)
+        marker = run_dir / "test_paused"
+        marker.unlink(missing_ok=True)
+        (tmp_path / pause.replace(":", "_")).mkdir()
+        job = Job(tmp_path / pause.replace(":", "_"), 2, args + (["run.resume=true"] if launch else []))
+        try:
+            deadline = time.monotonic() + 300
+            while not marker.exists():
+                assert job.proc.poll() is None and time.monotonic() < deadline, job.output()[-3000:]
+                time.sleep(0.2)
+            engines = _engine_children(job.workers()[0])
+            assert len(engines) == 1, engines
+        finally:
+            job.kill()  # SIGKILL: no checkpoint at exit, the last one is from a step divisible by 2
+        deadline = time.monotonic() + 30  # the engine process dies with the trainer that started it
+        while Path(f"/proc/{engines[0]}").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not Path(f"/proc/{engines[0]}").exists(), f"the vLLM child outlived the trainer killed in {pause}"
+        assert int(checkpoint.last_complete(run_dir).name.split("_")[-1]) == 2 * (launch + 1)
+    monkeypatch.delenv(TEST_PAUSE_ENV)
+    recs = _run(model, run_dir, "run.checkpoint_interval=2", "run.resume=true", steps=6)
+    assert [r["step"] for r in recs] == list(range(1, 7))
     for r in recs:
         assert _off_one(r) <= 1e-4, (r["step"], r["cispo/ratio_min"], r["cispo/ratio_max"])
         assert r["policy_version_lag"] == 0 and r["sync/bytes"] > 0 and r["rollout/seconds"] > 0
         assert r["sync/buckets"] >= MIN_BUCKETS, r["sync/buckets"]
-    # 4 prompts a step: the stream runs on across the kill and resume, none twice, none skipped
-    assert [r["rollout/prompt_index_first"] for r in recs] == [4 * i for i in range(saved + 2)]
-    assert "rollout/engine_start_s" in recs[saved]  # the resumed run's engine, on the checkpoint's weights
+    # 4 prompts a step: the stream runs on across both kills and resumes, none twice, none skipped
+    assert [r["rollout/prompt_index_first"] for r in recs] == [4 * i for i in range(6)]
+    assert "rollout/engine_start_s" in recs[2] and "rollout/engine_start_s" in recs[4]  # each resume's engine
 
 
 def test_staleness_1_on_pp2_moves_the_ratio_off_1_and_streamed_equals_disk_step_for_step(model, tmp_path):
