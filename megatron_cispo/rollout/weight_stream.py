@@ -249,7 +249,8 @@ def stream_buckets(chunks, *, namer: Namer, bucket_bytes: int, tensors=None, dst
     dst send each bucket's block list (send_object_list) and bytes (send) to dst, stage after stage;
     dst yields its own first, then theirs. A bucket's data is reused: use it before the next one.
     buffer: dst's bucket memory ([bucket_bytes] uint8, e.g. the engine's shared file): every bucket dst
-    yields is packed or received there, so dst holds one bucket plus one gathered row block.
+    yields is packed or received there, so dst holds one bucket plus one gathered row block (plus a
+    receive bucket on the parameters' device when that is not the buffer's: NCCL takes no CPU tensor).
     """
     import torch.distributed as dist
 
@@ -266,7 +267,9 @@ def stream_buckets(chunks, *, namer: Namer, bucket_bytes: int, tensors=None, dst
     obj_dev = None if device.type == "cpu" else device
     if me == dst:
         yield from _own_buckets(chunks, namer, bucket_bytes, tensors, buffer)
-        buf = buffer if buffer is not None else torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
+        # received on the parameters' device (NCCL takes no CPU tensor), then copied to a CPU buffer
+        same = buffer is not None and buffer.device == device
+        buf = buffer if same else torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
         for src in (r for r, s in enumerate(senders) if s and r != dst):
             while True:
                 box = [None]
@@ -275,7 +278,9 @@ def stream_buckets(chunks, *, namer: Namer, bucket_bytes: int, tensors=None, dst
                     break
                 blocks, n = box[0]
                 dist.recv(buf[:n], src=src)
-                yield Bucket(blocks, buf[:n])
+                if buffer is not None and not same:
+                    buffer[:n].copy_(buf[:n])
+                yield Bucket(blocks, buffer[:n] if buffer is not None else buf[:n])
         return
     for bucket in _own_buckets(chunks, namer, bucket_bytes, tensors):
         dist.send_object_list([(bucket.blocks, bucket.data.numel())], dst=dst, device=obj_dev)
