@@ -62,6 +62,6 @@ class Staging:
             got, want = self.filled.get(name, 0), self.tensors[name].numel() if name in self.tensors else None
             if want is None or got != want:
                 raise ValueError(f"weight stream ended with {name} {'missing' if want is None else f'at {got}/{want} elements'}"
-                                 f" (shape {shape}): none of it is used (the engine keeps its previous weights; an export"
-                                 " is not written)")
+                                 f" (shape {shape}): none of it is used: the engine keeps its previous weights, an export"
+                                 " is not written")
         return self.tensors
