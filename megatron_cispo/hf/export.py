@@ -171,32 +171,39 @@ def export_chunks(chunks, arch: HFArch, out_dir, *, dtype: torch.dtype | None = 
 
     from ..runner.checkpoint_save import SaveFailed, first_failure
 
-    error, rank0 = None, not dist.is_initialized() or dist.get_rank() == 0
-    try:
-        if arch.num_experts:
-            _export_gathered(chunks, arch, out_dir, dtype, step, rank0)
-        else:
-            _export_streamed(chunks, arch, out_dir, dtype, step, rank0, bucket_bytes)
-    except files_.FAILURES as e:  # noqa: B014 - any failure: every rank must hear of it
-        if not rank0:
-            raise
-        error = f"Hugging Face export to {out_dir} not written: {files_.describe_error(e)}"
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if arch.num_experts:
+        error = _export_gathered(chunks, arch, out_dir, dtype, step, rank0)
+    else:
+        error = _export_streamed(chunks, arch, out_dir, dtype, step, rank0, bucket_bytes)
     failed = first_failure(error)
     if failed is not None:
         raise SaveFailed(failed[1])
     return Path(out_dir)
 
 
-def _export_gathered(chunks, arch, out_dir, dtype, step, rank0: bool) -> None:
+def _failed(out_dir, e: BaseException) -> str:
+    return f"Hugging Face export to {out_dir} not written: {files_.describe_error(e)}"
+
+
+def _export_gathered(chunks, arch, out_dir, dtype, step, rank0: bool) -> str | None:
+    """Collective: gather, rank 0 writes; rank 0's write failure as one line (a failed gather raises)."""
     from ..runner.weights import gather_full_state
     from .mapping import to_hf
 
     full = gather_full_state(chunks)
-    if rank0:
+    if not rank0:
+        return None
+    try:
         write_hf_dir(to_hf(full, arch), arch, out_dir, dtype=dtype, step=step)
+    except files_.FAILURES as e:  # noqa: B014 - any failure: every rank must hear of it
+        return _failed(out_dir, e)
+    return None
 
 
-def _export_streamed(chunks, arch, out_dir, dtype, step, rank0: bool, bucket_bytes: int) -> None:
+def _export_streamed(chunks, arch, out_dir, dtype, step, rank0: bool, bucket_bytes: int) -> str | None:
+    """Collective: the weight stream, rank 0 writing shard by shard; rank 0's write failure as one line
+    (after the rest of the stream is received: the other senders still send). A failed stream raises."""
     from ..rollout.weight_receiver import Staging
     from ..rollout.weight_stream import hf_namer, stream_buckets
     from .mapping import hf_shapes
@@ -205,17 +212,28 @@ def _export_streamed(chunks, arch, out_dir, dtype, step, rank0: bool, bucket_byt
     if not rank0:
         for _ in buckets:
             pass
-        return
-    staging = Staging(hf_shapes(arch))
+        return None
+    staging, broken = Staging(hf_shapes(arch)), []
 
     def complete():
-        for bucket in buckets:
+        while True:
+            try:
+                bucket = next(buckets)
+            except StopIteration:
+                break
+            except files_.FAILURES as e:  # noqa: B014 - the stream itself failed: not a write failure
+                broken.append(e)
+                raise
             for name in staging.add(bucket.blocks, bucket.data):
                 yield name, staging.pop(name)
         staging.complete()  # ValueError naming a tensor the stream never finished
 
     try:
         write_hf_stream(complete(), arch, out_dir, dtype=dtype, step=step)
-    finally:
-        for _ in buckets:  # after a failure the other senders still send: receive the rest
+    except files_.FAILURES as e:  # noqa: B014
+        if broken:
+            raise broken[0]
+        for _ in buckets:
             pass
+        return _failed(out_dir, e)
+    return None
