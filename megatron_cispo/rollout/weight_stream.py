@@ -1,15 +1,15 @@
 """The trainer's weights as a stream of named buckets for a rollout engine: no full-model gather, no disk.
 
     for bucket in stream_buckets(chunks, namer=hf_namer(arch), bucket_bytes=256 << 20):  # collective
-        engine_update(bucket.blocks(), bucket.data)      # only rank `dst` receives buckets
+        staging.add(bucket.blocks, bucket.data)          # only rank `dst` receives buckets
 
-Per PP stage one rank sends: the one with DP = CP = 0 and TP rank 0. Its TP peers gather their shards
-to it a row block at a time (dist.gather over TP), so no rank holds more than one gathered block and one
-bucket beyond the model: about 2 x bucket_bytes (the receiving rank packs into the engine's buffer).
-Tensors keep the parameters' dtype. The other stages'
-senders forward their buckets to `dst` point to point, stage by stage. `namer` names each block by the
-HF export mapping (hf/mapping.pieces) or by megatron's full tensors (megatron_namer); a receiver writes
-block b into the full tensor b.name at rows b.row.., columns b.col.. (rollout/weight_receiver.py).
+Per PP stage one rank sends: the one with DP = CP = 0 and TP rank 0. Its TP peers send it their
+shards a row block at a time (point to point over TP), so no rank holds more than one gathered block
+and one bucket beyond the model: about 2 x bucket_bytes (the receiving rank can pack straight into the
+engine's buffer). Tensors keep the parameters' dtype. The other stages' senders forward their buckets
+to `dst` point to point, stage by stage. `namer` names each block by the HF export mapping
+(hf/mapping.pieces) or by megatron's full tensors (megatron_namer); a receiver writes block b into
+the full tensor b.name at rows b.row.., columns b.col.. (rollout/weight_receiver.py).
 MoE models are refused: expert senders (one per EP group) are not in the schedule yet.
 """
 from __future__ import annotations
