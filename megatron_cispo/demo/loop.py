@@ -53,6 +53,9 @@ def _record(step: int, batch, metrics: dict, cfg: ExperimentConfig, lr: float, d
            "position_acc": batch.correct.float().mean().item(),
            **headline(metrics, cfg.loss.policy_loss),
            "policy_version_lag": step - batch.version, "sampler_version": batch.version, "lr": lr}
+    versions = batch.sample_versions if batch.sample_versions is not None else torch.full((1,), batch.version)
+    lag = step - versions  # per sample: how many optimizer steps the trainer is past the weights that made it
+    rec.update({"rollout/lag_mean": lag.double().mean().item(), "rollout/lag_max": int(lag.max())})
     rec["tokens_per_s"] = rec.get("tokens", 0.0) / dt
     rec.update({"step_time_s": dt, "elapsed_s": elapsed})
     rec.update(batch.info)  # the sampler's own: vLLM's sync, rollout and reward figures
@@ -203,9 +206,10 @@ def _open_log(t: _Trainer, start: int, last, moved_to) -> MetricsWriter:
     resumed = f", resumed from {last}" if last is not None else ""
     if moved_to is not None:
         resumed += f"; the earlier run in {cfg.run.run_dir} was moved to {moved_to}"
+    lag = "at most " if cfg.rollout.mode == "async" else ""
     cp_ep = (f" x cp {p.cp}" if p.cp > 1 else "") + (f" (ep {p.ep})" if p.ep > 1 else "")
     say(f"[{cfg.label}] world {env.world_size} = tp {p.tp} x pp {p.pp} x dp {t.dp}{cp_ep} on {env.backend}; "
-        f"{cfg.run.steps} steps, sampler lags {cfg.rollout.staleness} versions in "
+        f"{cfg.run.steps} steps, sampler lags {lag}{cfg.rollout.staleness} versions in "
         f"{cfg.rollout.precision}{resumed}", sys.stdout)
     return writer
 

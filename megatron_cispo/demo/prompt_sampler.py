@@ -13,6 +13,12 @@ kept sharded, each rank its own shards, in the parameters' dtype. rollout.sync=d
 version whole on rank 0 and writes it as an fp32 HF directory (hf/export.py) for vLLM to reload.
 Every rank advances the prompt stream alike, so the checkpoint (rank 0's state) holds the position and
 a resumed run continues the stream exactly. A sample whose reward failed is left out of the loss.
+
+rollout.mode=async: rank 0 generates and scores the next steps' batches on a thread (rollout/async_feed.py)
+while the trainer trains; push() streams each new version into the engine at once, between two
+generations, and keeps no versions. Only rank 0 takes prompts; its checkpoint holds the position after
+the last batch trained (or dropped), so batches in flight at a stop are generated again on resume, with
+the checkpoint's weights: none lost, none trained twice.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import json
 import os
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -136,7 +143,7 @@ def rows_to_batch(rows, rewards: list, *, group_size: int, version: int, info: d
     keep = KeptSet.from_lists(kept) if kept is not None else None
     return Batch(tokens=tokens, lengths=lengths, loss_mask=mask, rollout_logprobs=logps.masked_fill(~mask, 0.0),
                  rewards=r.masked_fill(~ok, torch.nan), advantages=advantages, correct=((r == 1) & ok)[:, None],
-                 version=version,
+                 version=version, sample_versions=torch.full((n,), version, dtype=torch.int64),
                  keep=keep, info=info)
 
 
@@ -157,6 +164,9 @@ class PromptSampler(Sampler):
         self._tmp = Path(cfg.run.run_dir) / "vllm_weights"  # the synced version vLLM reloads (rank 0)
         self.chunks = None  # rollout.sync=stream: the model chunks, the live version's weights
         self.live: Optional[int] = None  # the version the live parameters hold
+        self.feed = None  # rollout.mode=async, rank 0: the AsyncFeed generating ahead
+        self._pushed: tuple[dict, Optional[str]] = ({}, None)  # async: the last push's metrics, or its failure
+        self._trained_prompts: Optional[dict] = None  # async, rank 0: the stream's state after the last batch taken
         if rank == 0 and self.cfg.sync == "disk":
             shutil.rmtree(self._tmp, ignore_errors=True)  # a killed run's export
             self._tmp.mkdir(parents=True)
@@ -258,19 +268,80 @@ class PromptSampler(Sampler):
         start = time.perf_counter()
         version = self._held_version(step)
         info = dict(info) if info is not None else self._engine_at(version)
+        return self._scored(self._generate(step, prompts), version, info, start)
+
+    def _generate(self, index: int, prompts) -> tuple:
+        """vLLM's samples of `prompts` (batch `index`: the 0-based step, or async's index): (prompts, completions, seconds)."""
         r, g = self.cfg, self.cfg.group_size
-        _pause_for_tests(self.exp.run.run_dir, "generate", step)
+        _pause_for_tests(self.exp.run.run_dir, "generate", index)
         t0 = time.perf_counter()
         out = self.engine_.generate([p.token_ids for p in prompts], n=g, max_new_tokens=r.max_new_tokens,
                                     temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                                     seeds=[_seed(self.seed, p.index, g) for p in prompts], stop_token_ids=self.eos)
-        info["rollout/seconds"] = time.perf_counter() - t0
-        completions = [c for per_prompt in out for c in per_prompt]
+        return prompts, [c for per_prompt in out for c in per_prompt], time.perf_counter() - t0
+
+    def _scored(self, generated: tuple, version: int, info: dict, start: float) -> Batch:
+        """The batch of _generate's samples, scored by data.reward within what is left of the step's limit."""
+        prompts, completions, seconds = generated
+        g = self.cfg.group_size
+        info["rollout/seconds"] = seconds
         rewards, scored = self._scores(prompts, completions, max(1.0, self.limit_s - (time.perf_counter() - start)))
         info.update(scored)
         rows = [(prompts[i // g].token_ids, c) for i, c in enumerate(completions)]
         info["rollout/prompt_index_first"] = float(prompts[0].index)
         return rows_to_batch(rows, rewards, group_size=g, version=version, info=info)
+
+    # -- rank 0, rollout.mode=async (on the feed's thread: the engine and the reward are its own) --------
+    def _feed_generate(self, index: int, version: int) -> tuple:
+        prompts = self.stream.take(self.cfg.prompts_per_step)
+        return self.stream.state_dict(), version, time.perf_counter(), self._generate(index, prompts)
+
+    def _feed_finish(self, raw: tuple) -> tuple[Batch, dict]:
+        after, version, start, generated = raw
+        return self._scored(generated, version, {}, start), after
+
+    def _start_feed(self, step: int, version: int) -> None:
+        from ..rollout.async_feed import AsyncFeed
+
+        self._trained_prompts = self.stream.state_dict()
+        self.feed = AsyncFeed(self._feed_generate, self._feed_finish, staleness=self.cfg.staleness,
+                              policy=self.cfg.stale_policy, first=step, last=self.exp.run.steps, version=version)
+
+    def _push_async(self, version: int) -> None:
+        """Collective: version `version` streamed into the engine now, between two generations; rank 0
+        keeps the metrics or the failure for the next rollouts() to report on every rank."""
+        if self.rank != 0:
+            self._stream_to_engine(version)
+            return
+        if self.feed is None:  # the first push (a start or a resume) starts the engine, then the feed
+            info, error = self._stream_to_engine(version)
+            if error is None:
+                self._start_feed(version, version)
+        else:
+            def load():
+                done, failed = self._stream_to_engine(version)
+                if failed:
+                    raise RuntimeError(failed)
+                return done
+            try:
+                info, waited = self.feed.weights(version, load)
+                info, error = {**info, "sync/wait_s": waited}, None
+            except RuntimeError as e:
+                info, error = {}, str(e)
+        self._pushed = (info, self._pushed[1] or error)
+
+    def _take_async(self, step: int) -> Batch:
+        """Rank 0: the feed's batch for 0-based `step`, with the last push's and the feed's metrics."""
+        info, error = self._pushed
+        self._pushed = ({}, error)
+        if error:
+            raise RuntimeError(error)
+        (batch, after), version, dropped, figures = self.feed.take(step, timeout_s=self.limit_s)
+        self._trained_prompts = after  # past the dropped batches too: they came before it
+        if dropped:
+            say(f"[{self.exp.label}] step {step + 1}: dropped {len(dropped)} rollout batch(es) that lagged more than "
+                f"rollout.staleness={self.cfg.staleness} (rollout.stale_policy=drop)")
+        return replace(batch, info={**batch.info, **info, **figures})
 
     # -- every rank -----------------------------------------------------------------------------------
     def sync(self, version: int, full_state) -> None:
@@ -286,6 +357,9 @@ class PromptSampler(Sampler):
         if self.cfg.sync == "disk":
             return super().push(version, chunks)
         self.chunks, self.live = chunks, version
+        if self.cfg.mode == "async":  # no versions kept: the old weights are whatever the engine still holds
+            self.versions = {version: None}
+            return self._push_async(version)
         keep = self.cfg.staleness > 0 and self._sends()
         self.versions[version] = [{n: p.detach().clone() for n, p in getattr(c, "module", c).named_parameters()}
                                   for c in chunks] if keep else None
@@ -301,15 +375,22 @@ class PromptSampler(Sampler):
         if self.cfg.sync == "stream":
             self.versions = {}
             self.push(step, chunks)
-            if self.cfg.staleness > 0 and self.rank == 0:
+            if self.cfg.staleness > 0 and self.rank == 0 and self.cfg.mode == "sync":
                 say(f"[{self.exp.label}] rollout.sync=stream keeps no lagged versions in checkpoints: sampling "
                     f"restarts with the checkpoint's weights (lag 0), back to rollout.staleness="
                     f"{self.cfg.staleness} after {self.cfg.staleness} steps")
 
     def rollouts(self, step: int) -> Batch:
         """Collective: the global batch of 0-based `step`, sampled on rank 0 and broadcast."""
-        prompts = self.stream.take(self.cfg.prompts_per_step)  # every rank alike: the position is checkpointed
         box: list = [None]
+        if self.cfg.mode == "async":
+            if self.rank == 0:
+                try:
+                    box[0] = self._take_async(step)
+                except Exception as e:  # noqa: BLE001 - the engine, the reward or a push failed: every rank stops
+                    box[0] = f"[{self.exp.label}] rollout at step {step + 1} failed: {e}"
+            return self._share(box)
+        prompts = self.stream.take(self.cfg.prompts_per_step)  # every rank alike: the position is checkpointed
         info, error = None, None
         if self.cfg.sync == "stream":
             version = self._held_version(step)
@@ -322,6 +403,10 @@ class PromptSampler(Sampler):
                 box[0] = self._sample(step, prompts, info)
             except Exception as e:  # the engine or the export failed: every rank must stop, not wait
                 box[0] = f"[{self.exp.label}] rollout at step {step + 1} failed: {e}"
+        return self._share(box)
+
+    def _share(self, box: list) -> Batch:
+        """Collective: rank 0's batch (or its failure's line, then RolloutFailed on every rank) to every rank."""
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(box, src=0, device=torch.device(self.device) if str(self.device) != "cpu" else None)
         if isinstance(box[0], str):
@@ -331,9 +416,11 @@ class PromptSampler(Sampler):
         return box[0]
 
     def state_dict(self) -> dict:
-        """The prompt position; with rollout.sync=disk also rank 0's whole versions (sync=stream: none)."""
+        """The prompt position (async: after the last batch trained); with rollout.sync=disk also rank 0's
+        whole versions (sync=stream: none)."""
         versions = self.versions if self.cfg.sync == "disk" else {}
-        return {"versions": versions, "prompts": self.stream.state_dict()}
+        prompts = self._trained_prompts if self._trained_prompts is not None else self.stream.state_dict()
+        return {"versions": versions, "prompts": prompts}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
@@ -344,9 +431,13 @@ class PromptSampler(Sampler):
             raise ValueError("the checkpoint's sampler has no prompt position (it ran the synthetic task); "
                              "resume it without data.prompts, or start a fresh run_dir")
         self.stream.load_state_dict(state["prompts"])
+        self._trained_prompts = None
         self.loaded = None  # the engine reloads the checkpoint's weights before it samples again
 
     def close(self) -> None:
+        if self.feed is not None:  # first: a generation under way ends with the engine's process
+            self.feed.close(kill=self.engine_.kill if self.engine_ is not None else None)
+            self.feed = None
         for part in (self.engine_, self.reward):
             if part is not None:
                 part.close()

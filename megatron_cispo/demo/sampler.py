@@ -41,7 +41,8 @@ class Batch:
     rewards: Tensor           # [n] fp32
     advantages: Tensor        # [n] fp32, or [n, total_len - 1] for credit="token"
     correct: Tensor           # [n, answer_len] bool
-    version: int              # policy version that sampled it
+    version: int              # policy version that sampled it (the oldest, when samples differ)
+    sample_versions: Optional[Tensor] = None  # [n] int64: each sample's policy version (None: all `version`)
     keep: Optional[KeptSet] = None  # the kept set of every [n, total_len - 1] target (top_k / top_p)
     routed_experts: Optional[Tensor] = None  # [n, total_len - 1, moe_layers, k] int64: an MoE engine's routes
     info: dict = field(default_factory=dict)  # the sampler's own metrics (vLLM: sync and rollout time, rewards)

@@ -217,6 +217,16 @@ class VLLMEngine:
         self.last_generate_seconds = time.perf_counter() - t0
         return [[Completion(*c) for c in samples] for samples in out]
 
+    def kill(self) -> None:
+        """SIGKILL the child's session from any thread, and nothing else: a call waiting on it (another
+        thread's generate) then raises EngineError and closes the engine there."""
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                proc.kill()
+
     def close(self) -> None:
         """Stop the child (idempotent): ask it to exit, then kill its session after a short wait. The
         temp log (no log_path given) is removed unless an EngineError named it."""

@@ -32,7 +32,8 @@ class RolloutConfig:
         "correctness (token needs reward=per_position); both normalised within the group.")
     prompts_per_step: int = config_field(16, "Prompts per step (global, over all DP ranks).")
     group_size: int = config_field(4, "Samples per prompt; advantages are normalised within a group.")
-    staleness: int = config_field(2, "Policy versions the sampler lags: step t samples with version max(0, t-k).")
+    staleness: int = config_field(2, "Policy versions the sampler lags: step t samples with version max(0, t-k) (rollout.mode=async: at most k "
+        "versions).")
     temperature: float = config_field(1.0, "Sampler temperature (the trainer scores with the same).")
     precision: Literal["fp32", "bf16"] = config_field("bf16", "Sampler weights/compute dtype.")
     engine: Literal["torch", "hf", "vllm"] = config_field(
@@ -47,6 +48,17 @@ class RolloutConfig:
         "engine), in the parameters' dtype, no rank holding more than about two buckets beyond the model; disk = "
         "the whole model gathered, written as an fp32 HF directory and reloaded (the fallback). The torch and hf "
         "engines gather the model into their own in-process copy either way.")
+    mode: Literal["sync", "async"] = config_field(
+        "sync", "sync = the engine samples step t's batch when the trainer asks, with policy version max(0, t - "
+        "staleness): an exact, reproducible lag (tests, the demo table). async = rollout.engine=vllm generates the "
+        "batches of the next steps while the trainer trains this one, each with the weights the engine holds "
+        "then (pushed between generations after every optimizer step); rollout.staleness bounds the lag and "
+        "rollout.stale_policy says what keeps it. Needs rollout.sync: stream.")
+    stale_policy: Literal["wait", "drop"] = config_field(
+        "wait", "rollout.mode=async: wait = the engine starts a batch only when its lag at training will be at "
+        "most rollout.staleness (it waits for newer weights: rollout/engine_wait_frac); drop = the engine never "
+        "waits for weights, keeping staleness + 1 batches ahead, and a batch that lags more than staleness when "
+        "its step comes is not trained on (rollout/dropped_batches counts them, their prompts are not re-used).")
     sync_bucket_mb: float = config_field(
         256.0, "Bucket size of rollout.sync=stream in MiB: what one send carries (a tensor larger than one is "
         "sent in row blocks).")
@@ -73,6 +85,16 @@ class RolloutConfig:
             raise ValueError(f"rollout.sync_bucket_mb must be finite and > 0, got {self.sync_bucket_mb}")
         if not 0 < self.temperature < math.inf:
             raise ValueError(f"rollout.temperature must be finite and > 0, got {self.temperature}")
+        if self.mode == "async" and self.engine != "vllm":
+            raise ValueError(f"rollout.mode='async' generates beside the trainer, which rollout.engine='vllm' does "
+                             f"(its own process); the {self.engine!r} engine samples inside the trainer's step: "
+                             "use rollout.mode: sync")
+        if self.mode == "async" and self.sync != "stream":
+            raise ValueError("rollout.mode='async' pushes weights between generations, bucket by bucket: it needs "
+                             f"rollout.sync: stream, got {self.sync!r}")
+        if self.stale_policy != "wait" and self.mode != "async":
+            raise ValueError(f"rollout.stale_policy={self.stale_policy!r} applies to rollout.mode: async only "
+                             "(sync mode's lag is exactly rollout.staleness)")
         if self.credit == "token" and self.reward != "per_position":
             raise ValueError(f"rollout.credit='token' needs rollout.reward='per_position', got {self.reward!r}")
         if self.credit == "token" and self.variable_length:

@@ -9,9 +9,12 @@ weights are streamed (rollout.sync=stream) in buckets small enough to take at le
 on dp 2 (tied model), on tp 2 with sequence parallelism (untied, top_p: the trainer scores over
 vLLM's kept sets) and on pp 2 with staleness 1, where the ratio is off 1 and every step equals the
 disk fallback's (rollout.sync=disk), which shows the lagged versions kept as shards are the right ones.
-A run killed (SIGKILL) in a weight push, and again in a generation, and resumed each time continues the
-prompt stream from its checkpoint exactly, its vLLM process dies with it, and the new engine starts on
-the checkpoint's weights (the ratio stays within 1e-4 of 1 after each resume).
+A run killed (SIGKILL) in a weight push, and again (resumed with rollout.mode=async) in a generation of
+the batches it makes ahead, and resumed each time continues the prompt stream from its checkpoint
+exactly, its vLLM process dies with it, and the new engine starts on the checkpoint's weights (the
+ratio stays within 1e-4 of 1 after each resume). In async mode at staleness 1 on pp 2 no trained
+sample lags more than 1, the wait fractions are reported, and the steps equal sync mode's as long as
+the lags do (an engine that happens to start a batch after the next push gives it fresher weights).
 """
 import importlib.util
 import os
@@ -88,22 +91,23 @@ def _engine_children(pid: int) -> list[int]:
 
 def test_staleness_0_fp32_ratio_is_1_every_step_through_kills_in_a_weight_push_and_in_a_generation(
         model, tmp_path, monkeypatch):
-    """Killed (SIGKILL) after the first bucket of version 3's push, resumed, killed again in step 5's
-    rollout (its prompts taken, vLLM about to generate), resumed to the end: one engine per launch,
-    which dies with its trainer; no prompt lost or trained twice; the ratio within 1e-4 of 1 on every
-    step, the steps after each resume included (the new engine has the checkpoint's weights)."""
+    """Killed (SIGKILL) after the first bucket of version 3's push, resumed in rollout.mode=async, killed
+    again while the engine generates step 6's batch (step 5 trained beside it, its checkpoint not yet
+    due), resumed to the end in async mode: one engine per launch, which dies with its trainer; no
+    prompt lost or trained twice; the ratio within 1e-4 of 1 on every step, the steps after each resume
+    included (the new engine has the checkpoint's weights)."""
     from megatron_cispo.demo.prompt_sampler import TEST_PAUSE_ENV
 
     run_dir = tmp_path / "run"
     reward = f"data.reward={model.parent / 'spread.py'}:spread"
     args = [YAML, f"model.hf_path={model}", f"run.run_dir={run_dir}", "run.steps=100000", reward, *FAST,
             "run.checkpoint_interval=2"]
-    for launch, pause in enumerate(("push:3", "generate:4")):
+    for launch, pause in enumerate(("push:3", "generate:5")):
         monkeypatch.setenv(TEST_PAUSE_ENV, pause)
         marker = run_dir / "test_paused"
         marker.unlink(missing_ok=True)
         (tmp_path / pause.replace(":", "_")).mkdir()
-        job = Job(tmp_path / pause.replace(":", "_"), 2, args + (["run.resume=true"] if launch else []))
+        job = Job(tmp_path / pause.replace(":", "_"), 2, args + (["run.resume=true", "rollout.mode=async"] if launch else []))
         try:
             deadline = time.monotonic() + 300
             while not marker.exists():
@@ -119,15 +123,17 @@ def test_staleness_0_fp32_ratio_is_1_every_step_through_kills_in_a_weight_push_a
         assert not Path(f"/proc/{engines[0]}").exists(), f"the vLLM child outlived the trainer killed in {pause}"
         assert int(checkpoint.last_complete(run_dir).name.split("_")[-1]) == 2 * (launch + 1)
     monkeypatch.delenv(TEST_PAUSE_ENV)
-    recs = _run(model, run_dir, "run.checkpoint_interval=2", "run.resume=true", steps=6)
+    recs = _run(model, run_dir, "run.checkpoint_interval=2", "run.resume=true", "rollout.mode=async", steps=6)
     assert [r["step"] for r in recs] == list(range(1, 7))
     for r in recs:
         assert _off_one(r) <= 1e-4, (r["step"], r["cispo/ratio_min"], r["cispo/ratio_max"])
         assert r["policy_version_lag"] == 0 and r["sync/bytes"] > 0 and r["rollout/seconds"] > 0
+        assert r["rollout/lag_max"] == 0
         assert r["sync/buckets"] >= MIN_BUCKETS, r["sync/buckets"]
     # 4 prompts a step: the stream runs on across both kills and resumes, none twice, none skipped
     assert [r["rollout/prompt_index_first"] for r in recs] == [4 * i for i in range(6)]
     assert "rollout/engine_start_s" in recs[2] and "rollout/engine_start_s" in recs[4]  # each resume's engine
+    assert all("rollout/trainer_wait_frac" in r for r in recs[2:]) and "rollout/trainer_wait_frac" not in recs[1]
 
 
 def test_staleness_1_on_pp2_moves_the_ratio_off_1_and_streamed_equals_disk_step_for_step(model, tmp_path):
@@ -138,9 +144,22 @@ def test_staleness_1_on_pp2_moves_the_ratio_off_1_and_streamed_equals_disk_step_
     assert min(_off_one(r) for r in recs[1:]) > 1e-3, [_off_one(r) for r in recs]
     assert all(r["sync/buckets"] >= MIN_BUCKETS for r in recs if r["sync/bytes"]), [r.get("sync/buckets") for r in recs]
     disk = _run(model, tmp_path / "disk", *pp2, "rollout.sync=disk", steps=3)
+    keys = ("cispo/ratio_min", "cispo/ratio_max", "cispo/ratio_mean", "loss", "grad_norm", "reward_mean")
     for a, b in zip(recs, disk):
-        for key in ("cispo/ratio_min", "cispo/ratio_max", "cispo/ratio_mean", "loss", "grad_norm", "reward_mean"):
+        for key in keys:
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
+    fed = _run(model, tmp_path / "async", *pp2, "rollout.mode=async", steps=3)
+    for r in fed:
+        assert 0 <= r["rollout/lag_max"] <= 1 and r["rollout/dropped_batches"] == 0, r
+        assert 0 <= r["rollout/trainer_wait_frac"] and 0 <= r["rollout/engine_wait_frac"] <= 1, r
+    assert fed[0]["rollout/trainer_wait_frac"] > 0.5  # step 1 waits for the first batch (and vLLM's compile)
+    same = 0
+    for a, b in zip(recs, fed):  # the same batches while the lags agree: async fed the right weights
+        if a["policy_version_lag"] != b["policy_version_lag"]:
+            break
+        assert all(a[key] == b[key] for key in keys), (a["step"], [(a[k], b[k]) for k in keys])
+        same += 1
+    assert same >= 2, [r["policy_version_lag"] for r in fed]  # step 1 lags 0 and batch 2 is made before any push
 
 
 def test_top_p_0_9_on_tp2_sp_untied_replays_vllms_kept_sets_ratio_still_1(untied, tmp_path):
