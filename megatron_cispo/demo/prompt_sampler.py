@@ -167,6 +167,7 @@ class PromptSampler(Sampler):
         self.feed = None  # rollout.mode=async, rank 0: the AsyncFeed generating ahead
         self._pushed: tuple[dict, Optional[str]] = ({}, None)  # async: the last push's metrics, or its failure
         self._trained_prompts: Optional[dict] = None  # async, rank 0: the stream's state after the last batch taken
+        self._dropped_said = False
         if rank == 0 and self.cfg.sync == "disk":
             shutil.rmtree(self._tmp, ignore_errors=True)  # a killed run's export
             self._tmp.mkdir(parents=True)
@@ -338,9 +339,11 @@ class PromptSampler(Sampler):
             raise RuntimeError(error)
         (batch, after), version, dropped, figures = self.feed.take(step, timeout_s=self.limit_s)
         self._trained_prompts = after  # past the dropped batches too: they came before it
-        if dropped:
+        if dropped and not self._dropped_said:  # once: rollout/dropped_batches counts them every step
+            self._dropped_said = True
             say(f"[{self.exp.label}] step {step + 1}: dropped {len(dropped)} rollout batch(es) that lagged more than "
-                f"rollout.staleness={self.cfg.staleness} (rollout.stale_policy=drop)")
+                f"rollout.staleness={self.cfg.staleness} (rollout.stale_policy=drop); rollout/dropped_batches counts "
+                f"them from here on")
         return replace(batch, info={**batch.info, **info, **figures})
 
     # -- every rank -----------------------------------------------------------------------------------
