@@ -206,7 +206,8 @@ class PromptSampler(Sampler):
         records = [p.record for p in prompts for _ in range(g)]
         ids = [c.token_ids for c in completions]
         t0 = time.perf_counter()
-        res = self.reward.score(records, [self.stream.decode(i) for i in ids], ids, budget_s=budget_s)
+        res = self.reward.score(records, [self.stream.decode(i) for i in ids], ids,
+                                finish_reasons=[c.finish_reason for c in completions], budget_s=budget_s)
         if res.first_failure:
             say(f"[{self.exp.label}] reward: {res.errors} errors, {res.timeouts} timeouts, {res.non_numbers} "
                 f"non-numbers this step (those samples are left out of the loss); first: {res.first_failure}")

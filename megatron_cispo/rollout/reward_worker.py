@@ -38,11 +38,11 @@ def serve() -> None:
     send(reply, ("ready", None))
     while True:
         try:
-            record, completion, ids = recv(0, None)
+            record, completion, ids, finish_reason = recv(0, None)
         except EOFError:
             return
         try:
-            value = fn(record, completion, ids)
+            value = fn(record, completion, ids, finish_reason)
         except Exception as e:  # noqa: BLE001 - any failure of the user's code is counted, not fatal
             send(reply, ("error", f"raised {cause(e)}"))
             continue

@@ -1,8 +1,11 @@
 """The user's reward function, named by `data.reward: "module:function"` or "path/to/file.py:function",
-called as fn(record, completion, token_ids) (or fn(record, completion)) and returning a number.
+called as fn(record, completion, token_ids) (or fn(record, completion)) and returning a number. A
+function with a parameter named `finish_reason` is also given how the sample ended: "stop" (at an EOS
+or stop token, the last of token_ids) or "length" (cut at rollout.max_new_tokens), None when unknown.
+The completion is decoded without special tokens, so its text cannot show whether the sample ended.
 
     runner = RewardRunner("megatron_cispo.rollout.arith:exact_match", timeout_s=10.0)
-    result = runner.score(records, completions, token_ids, budget_s=60)   # RewardResult: None where it failed
+    result = runner.score(records, completions, token_ids, finish_reasons=reasons, budget_s=60)   # None where it failed
     runner.close()
 
 The function runs in a worker process (reward_worker.py, started once, restarted after a
@@ -36,8 +39,9 @@ START_TIMEOUT_S = 300.0  # the worker's import of the reward module (torch, symp
 
 
 def load_reward(spec: str) -> Callable:
-    """The function of `spec` as fn(record, completion, token_ids); a 2-argument function is wrapped.
-    A file path is resolved against the CWD. ValueError, one line, for a spec that cannot be used."""
+    """The function of `spec` as fn(record, completion, token_ids, finish_reason): a function without a
+    finish_reason parameter, or of 2 arguments, is wrapped. A file path is resolved against the CWD.
+    ValueError, one line, for a spec that cannot be used."""
     where = f"data.reward={spec!r}"
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name:
@@ -55,22 +59,31 @@ def load_reward(spec: str) -> Callable:
         raise ValueError(f"{where}: {target} has no attribute {name!r}")
     if not callable(fn):
         raise ValueError(f"{where}: {name} has type {type(fn).__name__}, which is not callable")
+    if _takes(fn, 3, finish_reason=None):
+        return functools.wraps(fn)(lambda record, completion, token_ids, finish_reason:
+                                   fn(record, completion, token_ids, finish_reason=finish_reason))
     if _takes(fn, 3):
-        return fn
+        return functools.wraps(fn)(lambda record, completion, token_ids, finish_reason: fn(record, completion, token_ids))
     if _takes(fn, 2):
-        return functools.wraps(fn)(lambda record, completion, token_ids: fn(record, completion))
+        return functools.wraps(fn)(lambda record, completion, token_ids, finish_reason: fn(record, completion))
     raise ValueError(f"{where}: {name}{inspect.signature(fn)} cannot be called as fn(record, completion, "
                      f"token_ids) or fn(record, completion)")
 
 
-def _takes(fn, n: int) -> bool:
-    """Whether fn accepts n positional arguments (a builtin without a signature is assumed to)."""
+def _takes(fn, n: int, **named) -> bool:
+    """Whether fn accepts n positional arguments and the `named` keywords by name (not through **kwargs);
+    a builtin without a signature is assumed to take the positional ones, and no names."""
     try:
-        inspect.signature(fn).bind(*range(n))
+        sig = inspect.signature(fn)
+    except ValueError:
+        return not named
+    if any(name not in sig.parameters or sig.parameters[name].kind in
+           (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.VAR_KEYWORD) for name in named):
+        return False
+    try:
+        sig.bind(*range(n), **named)
     except TypeError:
         return False
-    except ValueError:
-        return True
     return True
 
 
@@ -128,19 +141,21 @@ class RewardRunner:
         self._proc = None
 
     def score(self, records: list[dict], completions: list[str], token_ids: list[list[int]], *,
-              budget_s: float | None = None) -> RewardResult:
+              finish_reasons: list[str | None] | None = None, budget_s: float | None = None) -> RewardResult:
         """One reward per sample, each call limited to timeout_s and the whole call to budget_s seconds
         (None: no limit; the trainer's other ranks wait in a collective meanwhile). Samples not reached
-        within the budget count as timeouts without calling the reward."""
-        if not len(records) == len(completions) == len(token_ids):
-            raise ValueError(f"score: {len(records)} records, {len(completions)} completions and "
-                             f"{len(token_ids)} token lists; expected one of each per sample")
+        within the budget count as timeouts without calling the reward. finish_reasons: per sample
+        "stop" or "length" (None: unknown), for a reward that takes finish_reason."""
+        reasons = [None] * len(records) if finish_reasons is None else list(finish_reasons)
+        if not len(records) == len(completions) == len(token_ids) == len(reasons):
+            raise ValueError(f"score: {len(records)} records, {len(completions)} completions, {len(token_ids)} "
+                             f"token lists and {len(reasons)} finish reasons; expected one of each per sample")
         if budget_s is not None and not (isinstance(budget_s, (int, float)) and 0 <= budget_s < math.inf):
             raise ValueError(f"score: budget_s={budget_s!r}: expected None or a finite number of seconds >= 0")
         end = math.inf if budget_s is None else time.monotonic() + budget_s
         spent = f"the step's reward budget of {budget_s:g} s was spent" if budget_s is not None else ""
         res = RewardResult(rewards=[], errors=0, timeouts=0, non_numbers=0, first_failure=None)
-        for i, sample in enumerate(zip(records, completions, [list(map(int, t)) for t in token_ids])):
+        for i, sample in enumerate(zip(records, completions, [list(map(int, t)) for t in token_ids], reasons)):
             if time.monotonic() >= end:
                 kind, detail = "timeout", f"not scored: {spent}"
             else:

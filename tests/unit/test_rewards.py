@@ -73,10 +73,21 @@ def test_a_relative_file_spec_is_resolved_against_the_cwd_at_load(rewards_py, mo
 
 def test_a_module_spec_and_a_two_argument_function(rewards_py):
     with RewardRunner("megatron_cispo.rollout.arith:exact_match", timeout_s=30) as runner:
-        res = runner.score([{"answer": "12"}] * 3, ["12", " 12<eos>", "21"], [[1, 2], [1, 2, 13], [2, 1]])
-    assert res.rewards == [1.0, 1.0, 0.0]
-    fn = load_reward(f"{rewards_py}:two")  # wrapped to the 3-argument form
-    assert fn({"answer": "a"}, "a", [0]) is True and fn({"answer": "a"}, "b", [0]) is False
+        res = runner.score([{"answer": "12"}] * 4, ["12", " 12<eos>", "21", "12"], [[1, 2], [1, 2, 13], [2, 1], [1, 2]],
+                           finish_reasons=["stop", "stop", "stop", "length"])
+    assert res.rewards == [1.0, 1.0, 0.0, 0.0]  # finish_reason reaches a reward that takes it: cut short scores 0
+    fn = load_reward(f"{rewards_py}:two")  # wrapped to the 4-argument form
+    assert fn({"answer": "a"}, "a", [0], "stop") is True and fn({"answer": "a"}, "b", [0], None) is False
+
+
+def test_finish_reason_reaches_only_a_reward_that_names_it(tmp_path):
+    f = tmp_path / "r.py"
+    f.write_text("def named(r, c, t, finish_reason):\n    return float(finish_reason == 'stop')\n"
+                 "def kw(r, c, t, **kw):\n    return float(len(kw))\n"
+                 "def three(r, c, t, extra=5):\n    return float(extra)\n")
+    assert load_reward(f"{f}:named")({}, "", [], "stop") == 1.0
+    assert load_reward(f"{f}:kw")({}, "", [], "stop") == 0.0  # not through **kwargs
+    assert load_reward(f"{f}:three")({}, "", [], "stop") == 5.0  # a defaulted 4th parameter keeps its default
 
 
 def test_every_failure_is_counted_and_the_run_goes_on(rewards_py):
@@ -175,3 +186,5 @@ def test_exact_match_strips_whitespace_and_special_tokens_only():
     rec = {"answer": "12"}
     assert [arith.exact_match(rec, c, []) for c in ("12", " 12\n", "<bos>12<eos>", "12<|endoftext|>")] == [1.0] * 4
     assert [arith.exact_match(rec, c, []) for c in ("21", "1 2", "12+", "", "120")] == [0.0] * 5
+    assert arith.exact_match(rec, "12", [1, 2, 13], "stop") == 1.0
+    assert arith.exact_match(rec, "12", [1, 2], "length") == 0.0  # right digits, no <eos>: truncated
