@@ -173,7 +173,7 @@ def _set_up(cfg: ExperimentConfig, env, prompts=None) -> _Trainer:
     if prompts is None:
         sampler = Sampler(cfg.model, cfg.rollout, seed=cfg.run.seed, device=env.device)
     else:  # data.prompts, as run() read and checked it
-        sampler = PromptSampler(cfg, rank=env.rank, device=env.device, stream=prompts)
+        sampler = PromptSampler(cfg, rank=env.rank, device=env.device, sources=prompts)
     step_cfg = StepConfig(micro_batch_size=p.micro_batch_size, temperature=cfg.rollout.temperature,
                           max_tokens_per_microbatch=p.max_tokens_per_microbatch)
     return _Trainer(cfg=cfg, env=env, chunks=chunks, optimizer=optimizer, sampler=sampler, step_cfg=step_cfg,
@@ -234,9 +234,15 @@ def _train(t: _Trainer, start: int) -> None:
     """Collective: steps start .. run.steps - 1, each followed by the stopping checks; rank 0 finishes the log."""
     cfg = t.cfg
     t_start, skips = time.perf_counter(), 0
+    if cfg.data.eval_prompts and start == 0 and cfg.run.steps > 0:  # the weights training starts from
+        evaluated = t.sampler.evaluate(0)
+        if t.writer is not None:
+            t.writer.log({"step": 0, **evaluated, "elapsed_s": time.perf_counter() - t_start})
     for step in range(start, cfg.run.steps):
         t0 = time.perf_counter()
         batch, metrics, lr = _step(t, step)
+        if _eval_due(cfg, step + 1):
+            metrics = {**metrics, **t.sampler.evaluate(step + 1)}
         if t.writer is not None:
             now = time.perf_counter()
             t.writer.log(_record(step, batch, metrics, cfg, lr, now - t0, now - t_start))
@@ -256,6 +262,12 @@ def _train(t: _Trainer, start: int) -> None:
             say(f"[{cfg.label}] run.steps=0: wrote {hf_dir(cfg.run.run_dir, end)}", sys.stdout)
         else:
             _finish(cfg, t.writer.dir, time.perf_counter() - t_start)
+
+
+def _eval_due(cfg: ExperimentConfig, done: int) -> bool:
+    """Whether the weights after `done` steps are evaluated (data.eval_prompts, run.eval_interval, the last step)."""
+    every = cfg.run.eval_interval
+    return bool(cfg.data.eval_prompts) and (done == cfg.run.steps or (every > 0 and done % every == 0))
 
 
 def hf_dir(run_dir, step: int) -> Path:

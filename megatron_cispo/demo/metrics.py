@@ -154,15 +154,19 @@ class MetricsWriter:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
                     self.tb.add_scalar(k, v, step)
+        if "reward_mean" not in record:  # step 0: the evaluation of the weights training starts from
+            say(f"[{self.label}] before step 1 | {_eval_part(record)}", self.stream)
+            return
         self._check_drops(record)
-        if step % self.interval == 0 or step == self.total:
+        if step % self.interval == 0 or step == self.total or "eval/accuracy" in record:
             done = step - self.start_step
             per_step = (time.perf_counter() - self.t0) / max(done, 1)
             nan = float("nan")
             parts = [f"[{self.label}] step {step}/{self.total}", f"reward {record['reward_mean']:.3f}",
                      f"loss {record.get('loss', nan):+.4f}", f"clip {record.get('clip_frac', 0.0):.3f}",
                      f"ratio [{record.get('ratio_min', nan):.3f}, {record.get('ratio_max', nan):.3f}]",
-                     *active_parts(record), f"lag {record['policy_version_lag']}", f"{per_step:.2f} s/step",
+                     *active_parts(record), f"lag {record['policy_version_lag']}",
+                     *([_eval_part(record)] if "eval/accuracy" in record else []), f"{per_step:.2f} s/step",
                      f"ETA {_duration(per_step * (self.total - step))}"]
             say(" | ".join(parts), self.stream)
 
@@ -186,6 +190,12 @@ class MetricsWriter:
         self.file.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def _eval_part(record: dict) -> str:
+    """The progress line's evaluation field: held-out accuracy (and pass@k) of the step's weights."""
+    passk = next((f" pass@{k.split('@')[1]} {v:.3f}" for k, v in record.items() if k.startswith("eval/pass@")), "")
+    return f"eval acc {record['eval/accuracy']:.3f}{passk}"
 
 
 def _num(record: dict, key: str) -> float | None:

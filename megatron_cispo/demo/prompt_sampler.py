@@ -27,7 +27,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -61,25 +61,47 @@ class RolloutFailed(RuntimeError):
     """The rollout engine failed; raised alike on every rank after rank 0 printed the one line."""
 
 
-def open_prompts(cfg) -> PromptStream:
-    """data.prompts tokenized with model.hf_path's tokenizer; ValueError (one line) for a bad file or row."""
+@dataclass(frozen=True)
+class Sources:
+    """What check_sources read, for the sampler to keep: the training prompts and the held-out ones."""
+
+    prompts: PromptStream
+    eval: Optional[PromptStream] = None  # data.eval_prompts
+
+
+def open_prompts(cfg, held_out: bool = False) -> PromptStream:
+    """data.prompts (held_out: data.eval_prompts) tokenized with model.hf_path's tokenizer; ValueError (one
+    line) for a bad file or row."""
     d = cfg.data
     limit, limit_name = prompt_limit(d, cfg.rollout, cfg.model)
-    return PromptStream(d.prompts, tokenizer_path=cfg.model.hf_path, seed=cfg.run.seed, split=d.split,
-                        prompt_key=d.prompt_key, chat_template=d.chat_template, max_prompt_tokens=limit,
-                        limit_name=limit_name)
+    return PromptStream(d.eval_prompts if held_out else d.prompts, tokenizer_path=cfg.model.hf_path,
+                        seed=cfg.run.seed, split="train" if held_out else d.split, prompt_key=d.prompt_key,
+                        chat_template=d.chat_template, max_prompt_tokens=limit, limit_name=limit_name,
+                        setting="data.eval_prompts" if held_out else "data.prompts")
 
 
-def check_sources(cfg) -> Optional[PromptStream]:
-    """ValueError (one line) for what data.prompts, data.reward and rollout.engine=vllm need and lack:
-    vLLM not installed, the prompt file, its rows, the reward's import. Before any rank starts.
-    Returns the prompt stream it read (None without data.prompts), for the sampler to keep."""
+def _held_out(train: PromptStream, held: PromptStream) -> None:
+    """ValueError (one line) naming the first held-out prompt that is also a training prompt."""
+    seen = set(train.texts)
+    for i, text in enumerate(held.texts):
+        if text in seen:
+            raise ValueError(f"data.eval_prompts={held.path}: row {i} ({text[:40]!r}) is also in data.prompts: "
+                             "held-out prompts must never be trained on; remove it from one of the files")
+
+
+def check_sources(cfg) -> Optional[Sources]:
+    """ValueError (one line) for what data.prompts, data.eval_prompts, data.reward and rollout.engine=vllm
+    need and lack: vLLM not installed, the prompt files, their rows, a held-out prompt also trained on,
+    the reward's import. Before any rank starts. Returns what it read (None without data.prompts)."""
     if cfg.rollout.engine != "vllm":
         return None
     from ..rollout.rewards import load_reward
     from ..rollout.vllm_engine import cpu_model_problem, vllm_missing
 
     stream = open_prompts(cfg)
+    held = open_prompts(cfg, held_out=True) if cfg.data.eval_prompts else None
+    if held is not None:
+        _held_out(stream, held)
     longest = stream.max_len + cfg.rollout.max_new_tokens - 1  # tokens the trainer reads of the longest row
     budget = cfg.parallelism.max_tokens_per_microbatch
     if budget is not None and budget < longest:
@@ -94,7 +116,7 @@ def check_sources(cfg) -> Optional[PromptStream]:
             cfg.model.arch, cfg.rollout.sync_bucket_mb, tp=cfg.parallelism.tp)
     if problem:
         raise ValueError(problem)
-    return stream
+    return Sources(stream, held)
 
 
 def eos_ids(model_dir: str) -> list[int]:
@@ -148,15 +170,17 @@ def rows_to_batch(rows, rewards: list, *, group_size: int, version: int, info: d
 
 
 class PromptSampler(Sampler):
-    def __init__(self, cfg, *, rank: int, device: torch.device | str = "cpu", stream: Optional[PromptStream] = None):
-        """stream: data.prompts as check_sources read it (read here when None)."""
+    def __init__(self, cfg, *, rank: int, device: torch.device | str = "cpu", sources: Optional[Sources] = None):
+        """sources: data.prompts and data.eval_prompts as check_sources read them (read here when None)."""
         super().__init__(cfg.model, cfg.rollout, seed=cfg.run.seed, device=device)
         self.exp, self.rank = cfg, rank
-        self.stream = stream if stream is not None else open_prompts(cfg)
+        if sources is None:
+            sources = Sources(open_prompts(cfg), open_prompts(cfg, held_out=True) if cfg.data.eval_prompts else None)
+        self.stream, self.held_out = sources.prompts, sources.eval
         self.eos = eos_ids(cfg.model.hf_path)
         self.engine_: Optional[object] = None  # rank 0: the VLLMEngine
         self.loaded: Optional[int] = None      # the policy version the engine holds
-        self.reward = None                     # rank 0: the RewardRunner
+        self.reward = self.eval_reward = None  # rank 0: the RewardRunners (training, data.eval_prompts)
         # Rank 0 samples while the other ranks wait in the batch's broadcast, which fails after
         # run.dist_timeout_s: each engine call may take half of it, a step's rollout 90% in all.
         self.limit_s = 0.9 * cfg.run.dist_timeout_s
@@ -197,18 +221,24 @@ class PromptSampler(Sampler):
         self.loaded = version
         return info
 
-    def _scores(self, prompts, completions, budget_s: float) -> tuple[list, dict]:
+    def _scores(self, prompts, completions, budget_s: float, group: Optional[int] = None,
+                held_out: bool = False) -> tuple[list, dict]:
+        """data.reward of `completions` (`group` per prompt, default rollout.group_size): (rewards, None where
+        one failed; the step's reward/ counts), the first failure said in one line. held_out: the eval's own
+        reward worker (in async mode the feed's thread scores with the other meanwhile)."""
         from ..rollout.rewards import RewardRunner
 
-        if self.reward is None:
-            self.reward = RewardRunner(self.exp.data.reward, timeout_s=self.exp.data.reward_timeout_s)
-        g = self.cfg.group_size
+        name = "eval_reward" if held_out else "reward"
+        if getattr(self, name) is None:
+            setattr(self, name, RewardRunner(self.exp.data.reward, timeout_s=self.exp.data.reward_timeout_s))
+        runner = getattr(self, name)
+        g = group or self.cfg.group_size
         records = [p.record for p in prompts for _ in range(g)]
         ids = [c.token_ids for c in completions]
         t0 = time.perf_counter()
-        res = self.reward.score(records, [self.stream.decode(i) for i in ids], ids,
+        res = runner.score(records, [self.stream.decode(i) for i in ids], ids,
                                 finish_reasons=[c.finish_reason for c in completions], budget_s=budget_s)
-        if res.first_failure:
+        if res.first_failure and not quiet:
             say(f"[{self.exp.label}] reward: {res.errors} errors, {res.timeouts} timeouts, {res.non_numbers} "
                 f"non-numbers this step (those samples are left out of the loss); first: {res.first_failure}")
         return res.rewards, {"reward/errors": float(res.errors), "reward/timeouts": float(res.timeouts),
@@ -347,7 +377,52 @@ class PromptSampler(Sampler):
                 f"them from here on")
         return replace(batch, info={**batch.info, **info, **figures})
 
+    def _eval_on_engine(self, version: int) -> dict:
+        """Rank 0, the engine on `version`: data.eval_prompts sampled (greedy, or rollout.eval_samples at the
+        rollout's temperature) and scored by data.reward; the eval/ metrics."""
+        r, k = self.cfg, self.cfg.eval_samples
+        prompts = self.held_out.every()
+        greedy = k == 1
+        t0 = time.perf_counter()
+        # seeds past any training prompt's (those are _seed(seed, stream index, group_size))
+        base = _seed(self.seed, 0, 1) + 2**40
+        out = self.engine_.generate([p.token_ids for p in prompts], n=k, max_new_tokens=r.max_new_tokens,
+                                    temperature=0.0 if greedy else r.temperature, top_k=0 if greedy else r.top_k,
+                                    top_p=1.0 if greedy else r.top_p, seeds=[base + i * k for i in range(len(prompts))],
+                                    stop_token_ids=self.eos)
+        completions = [c for per_prompt in out for c in per_prompt]
+        rewards, scored = self._scores(prompts, completions, self.limit_s / 2, group=k, held_out=True)
+        exact = [x == 1 for x in rewards]
+        info = {"eval/version": float(version), "eval/seconds": time.perf_counter() - t0,
+                "eval/reward_mean": sum(x for x in rewards if x is not None) / max(1, sum(x is not None for x in rewards)),
+                "eval/accuracy": sum(exact) / len(exact), "eval/prompts": float(len(prompts)),
+                "eval/scored_frac": sum(x is not None for x in rewards) / len(rewards)}
+        if k > 1:
+            info[f"eval/pass@{k}"] = sum(any(exact[i * k:(i + 1) * k]) for i in range(len(prompts))) / len(prompts)
+        return info
+
     # -- every rank -----------------------------------------------------------------------------------
+    def evaluate(self, version: int) -> dict:
+        """Collective: the eval/ metrics of policy version `version` (the live parameters) on data.eval_prompts,
+        computed by rank 0 on the engine and given to every rank; RolloutFailed alike on every rank."""
+        box: list = [None]
+        try:
+            if self.cfg.mode == "async":  # the engine holds the live version since the last push
+                if self.rank == 0:
+                    box[0] = self.feed.exclusive(lambda: self._eval_on_engine(version))
+            elif self.cfg.sync == "stream":
+                _, error = self._stream_to_engine(version) if self.loaded != version else ({}, None)  # collective
+                if self.rank == 0:
+                    if error:
+                        raise RuntimeError(error)
+                    box[0] = self._eval_on_engine(version)
+            elif self.rank == 0:
+                self._engine_at(version)
+                box[0] = self._eval_on_engine(version)
+        except Exception as e:  # noqa: BLE001 - the engine or the reward failed: every rank stops
+            box[0] = f"[{self.exp.label}] evaluation of policy version {version} failed: {e}"
+        return self._share(box)
+
     def sync(self, version: int, full_state) -> None:
         """rollout.sync=disk: rank 0 keeps the versions (it alone exports them, and the checkpoint holds
         its state); the other ranks took part in the gather and keep nothing."""
@@ -442,9 +517,9 @@ class PromptSampler(Sampler):
         if self.feed is not None:  # first: a generation under way ends with the engine's process
             self.feed.close(kill=self.engine_.kill if self.engine_ is not None else None)
             self.feed = None
-        for part in (self.engine_, self.reward):
+        for part in (self.engine_, self.reward, self.eval_reward):
             if part is not None:
                 part.close()
-        self.engine_ = self.reward = None
+        self.engine_ = self.reward = self.eval_reward = None
         if self.rank == 0 and self.cfg.sync == "disk":
             shutil.rmtree(self._tmp, ignore_errors=True)

@@ -60,7 +60,9 @@ def _config(run_dir: Path) -> dict:
 def summarize(run_dir: str | Path) -> dict:
     """Headline numbers of one run (first/last 10% of steps, at least one step each)."""
     run_dir = Path(run_dir)
-    recs = read_metrics(run_dir)
+    every = read_metrics(run_dir)
+    recs = [r for r in every if "reward_mean" in r]  # the steps (step 0 holds only the evaluation before them)
+    evals = [r for r in every if r.get("eval/accuracy") is not None]
     cfg = _config(run_dir)
     loss = cfg.get("loss", {})
     name = cfg.get("run", {}).get("name") or ("" if cfg else run_dir.name)
@@ -84,6 +86,9 @@ def summarize(run_dir: str | Path) -> dict:
         "skipped_nonfinite": sum(_finite(_col(recs, "step/skipped_nonfinite", 0.0))),
         "clip_range": loss_cfg.cispo.bounds() if cispo else None,  # (floor, cap) of the CISPO weight
         "prompts": (cfg.get("data") or {}).get("prompts"),  # the prompt file, None for the synthetic task
+        # held-out accuracy (data.eval_prompts) of the first and the last weights evaluated, NaN without
+        "eval_first": evals[0]["eval/accuracy"] if evals else float("nan"),
+        "eval_last": evals[-1]["eval/accuracy"] if evals else float("nan"),
     }
 
 
@@ -114,6 +119,9 @@ def checks(s: dict) -> list[tuple[str, bool | None]]:
     # The synthetic task's dense reward learns within the demo; a prompt file's reward (data.prompts,
     # e.g. an exact match from a random model) need not, so there the gain is shown, not claimed.
     out = [(gain, None) if s["prompts"] else (f"{gain} >= {MIN_GAIN}", s["gain"] >= MIN_GAIN)]
+    if math.isfinite(s["eval_first"]):
+        out.append((f"held-out accuracy {s['eval_first']:.3f} -> {s['eval_last']:.3f} "
+                    f"({100 * (s['eval_last'] - s['eval_first']):+.1f} points)", None))
     if s["anchor"] == "rollout":
         out.append(("rollout anchor: clip fraction > 0", s["clip_frac_mean"] > 0.0))
     return out
@@ -127,11 +135,15 @@ def table(summaries: list[dict]) -> str:
     w = max([16, *(len(s["label"]) for s in summaries)])  # the label column fits the longest label
     head = f"{'run':<{w}} {'steps':>5} {'reward first10%':>15} {'last10%':>8} {'gain':>6} " \
            f"{'clip frac':>10} {'ratio min':>10} {'ratio max':>10} {'lag':>4} {'k3 mismatch':>11} {'time':>6}"
+    held_out = any(math.isfinite(s["eval_first"]) for s in summaries)
+    if held_out:
+        head += f" {'eval first':>10} {'eval last':>9}"
     rows = [head, "-" * len(head)]
     for s in summaries:
         rows.append(f"{s['label']:<{w}} {s['steps']:>5} {s['reward_first']:>15.3f} {s['reward_last']:>8.3f} "
                     f"{s['gain']:>5.2f}x {s['clip_frac_mean']:>10.4f} {s['ratio_min']:>10.6f} "
-                    f"{s['ratio_max']:>10.6f} {s['lag_max']:>4} {_k3(s['mismatch_k3']):>11} {s['elapsed_s']:>5.0f}s")
+                    f"{s['ratio_max']:>10.6f} {s['lag_max']:>4} {_k3(s['mismatch_k3']):>11} {s['elapsed_s']:>5.0f}s"
+                    + (f" {s['eval_first']:>10.3f} {s['eval_last']:>9.3f}" if held_out else ""))
     return "\n".join(rows)
 
 
@@ -145,8 +157,17 @@ def figure(run_dirs: list[str | Path]):
     import matplotlib.pyplot as plt
 
     runs = [(summarize(d), read_metrics(d)) for d in run_dirs]
-    fig, axes = plt.subplots(3, len(runs), figsize=(4.5 * len(runs), 8), sharex="col", sharey="row", squeeze=False)
-    for col, (s, recs) in enumerate(runs):
+    held_out = any(math.isfinite(s["eval_first"]) for s, _ in runs)
+    n_rows = 4 if held_out else 3
+    fig, axes = plt.subplots(n_rows, len(runs), figsize=(4.5 * len(runs), 2.7 * n_rows), sharex="col", sharey="row",
+                             squeeze=False)
+    for col, (s, every) in enumerate(runs):
+        recs = [r for r in every if "reward_mean" in r]
+        if held_out:
+            evals = [r for r in every if r.get("eval/accuracy") is not None]
+            axes[3][col].plot([r["step"] for r in evals], [r["eval/accuracy"] for r in evals], marker="o",
+                              color="tab:purple")
+            axes[3][col].set_xlabel("step")
         x = [r["step"] for r in recs]
         floor, cap = s["clip_range"] or (None, None)
         ax = axes[0][col]
@@ -168,7 +189,7 @@ def figure(run_dirs: list[str | Path]):
         ax.set_yscale("log")
         ax.legend(fontsize=7)
         ax.set_xlabel("step")
-    for row, name in enumerate(("reward mean", "clip fraction", "ratio pi/pi_anchor")):
+    for row, name in enumerate(("reward mean", "clip fraction", "ratio pi/pi_anchor", "held-out accuracy")[:n_rows]):
         axes[row][0].set_ylabel(name)
     fig.tight_layout()
     return fig

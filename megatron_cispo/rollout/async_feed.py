@@ -114,6 +114,10 @@ class AsyncFeed:
                 self._cond.notify_all()
         return value, waited
 
+    def exclusive(self, use: Callable[[], Any]) -> Any:
+        """Run use() with the engine to itself, between two generations (an evaluation); its value."""
+        return self.weights(self.version, use)[0]
+
     def take(self, step: int, timeout_s: float):
         """The oldest ready batch that `step` may train on: (item, its version, the items passed over
         for lagging more than staleness, the step's figures). Blocks until one is ready; raises the

@@ -40,10 +40,10 @@ def _permutation(seed: int, epoch: int, n: int) -> list[int]:
     return order
 
 
-def _read_split(path: Path, split: str):
+def _read_split(path: Path, split: str, setting: str = "data.prompts"):
     """The `split` of a file (datasets names a single file's split "train") or of a directory whose
     files name their splits (train.jsonl, test.parquet, ...), in memory; ValueError one line."""
-    where = f"data.prompts={path}"
+    where = f"{setting}={path}"
     if not path.exists():
         raise ValueError(f"{where}: no such file; give the path of a .jsonl, .json or .parquet file")
     suffixes = {p.suffix for p in path.iterdir() if p.is_file()} & set(KINDS) if path.is_dir() else {path.suffix}
@@ -86,13 +86,14 @@ class PromptStream:
 
     def __init__(self, path: str, *, tokenizer_path: str, seed: int, split: str = "train", prompt_key: str = "prompt",
                  chat_template: bool = False, max_prompt_tokens: int | None = None,
-                 limit_name: str = "data.max_prompt_tokens"):
-        """limit_name: where max_prompt_tokens comes from, for the message of a prompt over it."""
+                 limit_name: str = "data.max_prompt_tokens", setting: str = "data.prompts"):
+        """limit_name: where max_prompt_tokens comes from, for the message of a prompt over it; setting:
+        the key that named the file, for every message (data.eval_prompts for the held-out ones)."""
         from transformers import AutoTokenizer
 
         self.path, self.seed = Path(path).absolute(), seed
-        rows = _read_split(self.path, split)
-        where = f"data.prompts={self.path} (split {split!r})"
+        rows = _read_split(self.path, split, setting)
+        where = f"{setting}={self.path} (split {split!r})"
         if len(rows) == 0:
             raise ValueError(f"{where}: the split has no rows; give a file with at least one prompt")
         if prompt_key not in rows.column_names:
@@ -120,7 +121,7 @@ class PromptStream:
             if max_prompt_tokens is not None and len(x) > max_prompt_tokens:
                 raise ValueError(f"{where}: row {i}: the prompt is {len(x)} tokens, more than "
                                  f"{limit_name}={max_prompt_tokens}; shorten it or raise the limit")
-        self._rows = rows
+        self._rows, self.texts = rows, texts
         self._position = 0
         self._order: tuple[int, list[int]] = (-1, [])  # (epoch, its permutation), the one last used
         h = hashlib.sha256()
@@ -139,6 +140,10 @@ class PromptStream:
 
     def decode(self, ids) -> str:
         return decode(self.tokenizer, ids)
+
+    def every(self) -> list[Prompt]:
+        """Every row once, in file order (index = row): a held-out set, evaluated whole."""
+        return [Prompt(index=i, record=dict(self._rows[i]), token_ids=list(self._ids[i])) for i in range(len(self))]
 
     def take(self, n: int) -> list[Prompt]:
         """The next `n` prompts; an epoch boundary inside the take continues into the next epoch."""

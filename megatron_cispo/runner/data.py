@@ -62,6 +62,10 @@ class RolloutConfig:
     sync_bucket_mb: float = config_field(
         256.0, "Bucket size of rollout.sync=stream in MiB: what one send carries (a tensor larger than one is "
         "sent in row blocks).")
+    eval_samples: int = config_field(
+        1, "With data.eval_prompts: samples per eval prompt; 1 = greedy (eval/accuracy is the greedy answer's), "
+        "k > 1 = k samples at rollout.temperature with rollout.top_k / top_p (eval/accuracy over all of them, "
+        "eval/pass@k: the share of prompts with at least one exact answer).")
     max_new_tokens: int = config_field(
         16, "With data.prompts: the most tokens a sample may take; EOS ends it earlier. A sample that reaches "
         "it is truncated (rollout/truncated_frac).")
@@ -76,6 +80,7 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         check_field_types(self)
         for name, low in (("digits", 1), ("base", 2), ("prompts_per_step", 1), ("group_size", 2), ("staleness", 0),
+                          ("eval_samples", 1),
                           ("top_k", 0), ("max_new_tokens", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"rollout.{name} must be >= {low}, got {getattr(self, name)}")
@@ -156,11 +161,19 @@ class DataConfig:
         "call longer than reward_timeout_s is counted per step (reward/errors, reward/timeouts, "
         "reward/non_numbers), named in one line, and that sample is left out of the loss.")
     reward_timeout_s: float = config_field(10.0, "Seconds one reward call may take.")
+    eval_prompts: Optional[str] = config_field(
+        None, "Held-out prompts (JSONL or Parquet, the fields of data.prompts), scored by data.reward on the "
+        "engine at run.eval_interval; never trained on (a prompt also in data.prompts is refused at --check). "
+        "null = no evaluation. A relative path is resolved against the directory the run starts in.")
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        if self.prompts is not None:
-            object.__setattr__(self, "prompts", str(Path(self.prompts).expanduser().absolute()))
+        for name in ("prompts", "eval_prompts"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, str(Path(getattr(self, name)).expanduser().absolute()))
+        if self.eval_prompts is not None and self.prompts is None:
+            raise ValueError("data.eval_prompts holds out prompts of the data.prompts task: set data.prompts (and "
+                             "rollout.engine: vllm), or remove data.eval_prompts")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
             raise ValueError(f"data.max_prompt_tokens must be >= 1 (or null), got {self.max_prompt_tokens}")
         if not 0 < self.reward_timeout_s < math.inf:

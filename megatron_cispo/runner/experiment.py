@@ -110,6 +110,10 @@ class RunConfig:
     name: str = config_field("", "Label in logs and plots; empty = '<loss>:<anchor>'.")
     log_interval: int = config_field(5, "Steps between progress lines.")
     checkpoint_interval: int = config_field(0, "Steps between checkpoints; 0 = never.")
+    eval_interval: int = config_field(
+        0, "With data.eval_prompts: evaluate before the first step, every eval_interval steps and after the "
+        "last (0 = before the first and after the last only), on the engine with the trainer's current weights; "
+        "eval/reward_mean, eval/accuracy (and eval/pass@k) go into that step's record (step 0: before training).")
     checkpoint_keep: int = config_field(
         2, "Complete checkpoints kept (the highest steps); older ones are deleted, never the one just written.")
     resume: bool = config_field(
@@ -135,7 +139,8 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self)
-        for name, low in (("steps", 0), ("log_interval", 1), ("checkpoint_interval", 0), ("checkpoint_keep", 1),
+        for name, low in (("steps", 0), ("log_interval", 1), ("checkpoint_interval", 0), ("eval_interval", 0),
+                          ("checkpoint_keep", 1),
                           ("max_consecutive_skips", 0), ("dist_timeout_s", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"run.{name} must be >= {low}, got {getattr(self, name)}")
