@@ -2,6 +2,7 @@
 
     python -m megatron_cispo.demo.report RUN_DIR                     # any run: table + RUN_DIR/metrics.png
     python -m megatron_cispo.demo.report runs/demo/rollout runs/demo/old [--png runs/demo/comparison.png] [--strict]
+    python -m megatron_cispo.demo.report --seeds runs/demo_vllm/seed_*/* --png runs/demo_vllm/seeds.png
 
 Reads each run's metrics.jsonl and config.yaml; a null metric (non-finite when it was written)
 is left out of means and extremes and is a gap in the figure. The figure goes to --png, else to
@@ -10,7 +11,9 @@ the path is printed. The checks are what the demo is meant to show, so they run 
 demo's pair: two CISPO runs whose configs differ only in loss.cispo.anchor (rollout and old) and
 the run: section. The old anchor's ratios are exactly 1 and never clipped; the rollout anchor's
 are clipped, and its reward over the last 10% of steps is at least twice that over the first 10%.
---strict exits 1 when a check fails (and 2 when the runs are not the demo's pair).
+--strict exits 1 when a check fails (and 2 when the runs are not the demo's pair). --seeds compares
+runs of several seeds by their held-out accuracy (data.eval_prompts): each run's first and last, and per
+anchor the gain's mean, min and max, with one eval curve per seed in the figure.
 """
 from __future__ import annotations
 
@@ -89,6 +92,7 @@ def summarize(run_dir: str | Path) -> dict:
         # held-out accuracy (data.eval_prompts) of the first and the last weights evaluated, NaN without
         "eval_first": evals[0]["eval/accuracy"] if evals else float("nan"),
         "eval_last": evals[-1]["eval/accuracy"] if evals else float("nan"),
+        "seed": cfg.get("run", {}).get("seed"),
     }
 
 
@@ -195,10 +199,49 @@ def figure(run_dirs: list[str | Path]):
     return fig
 
 
-def plot_runs(run_dirs: list[str | Path], out_png: str | Path) -> Path | None:
-    """`figure(run_dirs)` saved to out_png; None without matplotlib (the `plot` extra)."""
+def seeds_table(summaries: list[dict]) -> str:
+    """Each run's held-out accuracy first and last (points gained), then per anchor the gain's mean, min, max."""
+    head = f"{'anchor':<8} {'seed':>6} {'eval first':>10} {'eval last':>9} {'gain (points)':>13}"
+    rows = [head, "-" * len(head)]
+    by_anchor: dict[str, list[float]] = {}
+    for s in sorted(summaries, key=lambda s: (s["anchor"], str(s["seed"]))):
+        gain = 100 * (s["eval_last"] - s["eval_first"])
+        by_anchor.setdefault(s["anchor"], []).append(gain)
+        rows.append(f"{s['anchor']:<8} {str(s['seed']):>6} {s['eval_first']:>10.3f} {s['eval_last']:>9.3f} {gain:>+13.1f}")
+    rows.append("")
+    for anchor, gains in by_anchor.items():
+        rows.append(f"{anchor:<8} gain over {len(gains)} seeds: mean {_mean(gains):+.1f}, min {_min(gains):+.1f}, "
+                    f"max {_max(gains):+.1f} points")
+    return "\n".join(rows)
+
+
+def seeds_figure(run_dirs: list[str | Path]):
+    """Held-out accuracy per step, one panel per anchor, one curve per seed (a matplotlib Figure)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [(summarize(d), read_metrics(d)) for d in run_dirs]
+    anchors = sorted({s["anchor"] for s, _ in runs})
+    fig, axes = plt.subplots(1, len(anchors), figsize=(4.5 * len(anchors), 3.5), sharey=True, squeeze=False)
+    for ax, anchor in zip(axes[0], anchors):
+        for s, recs in runs:
+            if s["anchor"] == anchor:
+                evals = [r for r in recs if r.get("eval/accuracy") is not None]
+                ax.plot([r["step"] for r in evals], [r["eval/accuracy"] for r in evals], marker="o", label=f"seed {s['seed']}")
+        ax.set_title(f"anchor: {anchor}")
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("held-out accuracy")
+    fig.tight_layout()
+    return fig
+
+
+def plot_runs(run_dirs: list[str | Path], out_png: str | Path, seeds: bool = False) -> Path | None:
+    """`figure(run_dirs)` (seeds: `seeds_figure`) saved to out_png; None without matplotlib (the `plot` extra)."""
     try:
-        fig = figure(run_dirs)
+        fig = seeds_figure(run_dirs) if seeds else figure(run_dirs)
     except ImportError:
         return None
     import matplotlib.pyplot as plt
@@ -226,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--png", help="figure path (default: RUN_DIR/metrics.png for one run, else comparison.png "
                                   "in the runs' common parent folder)")
     ap.add_argument("--strict", action="store_true", help="the demo's pair only: exit 1 when a check fails")
+    ap.add_argument("--seeds", action="store_true", help="runs of several seeds: held-out accuracy per anchor")
     args = ap.parse_args(argv)
     try:
         for d in args.runs:
@@ -235,6 +279,14 @@ def main(argv: list[str] | None = None) -> int:
     except MetricsFileError as e:
         print(f"report: {e}", file=sys.stderr)
         return 2
+    if args.seeds:
+        if not all(math.isfinite(s["eval_first"]) for s in summaries):
+            print("report: --seeds compares held-out accuracy: every run needs data.eval_prompts", file=sys.stderr)
+            return 2
+        print(seeds_table(summaries))
+        png = plot_runs(args.runs, args.png or default_png(args.runs), seeds=True)
+        print(f"figure: wrote {png}" if png else "figure: skipped (pip install matplotlib)")
+        return 0
     demo = is_demo_pair(args.runs)
     if args.strict and not demo:
         print("report: --strict checks the demo's pair (two CISPO runs whose configs differ only in "

@@ -1,7 +1,7 @@
 """The shipped tasks: addition as prompt files and an exact-match reward.
 
     python -m megatron_cispo.rollout.arith yaml_configs/data/add_small.jsonl   # regenerate the small file
-    python -m megatron_cispo.rollout.arith --add2 runs/data/add2               # train.jsonl + eval.jsonl
+    python -m megatron_cispo.rollout.arith --add2 yaml_configs/data/add2       # train.jsonl + eval.jsonl
     data.prompts: yaml_configs/data/add_small.jsonl
     data.reward: "megatron_cispo.rollout.arith:exact_match"
 
@@ -36,8 +36,7 @@ def rows() -> list[dict]:
 
 def add2_rows() -> list[dict]:
     """The 10,000 rows of --add2: a + b for a, b in 0..99, the answer least significant digit first."""
-    return [{"prompt": f"<bos>{a}+{b}<sep>", "answer": str(a + b)[::-1], "a": a, "b": b}
-            for a in range(100) for b in range(100)]
+    return [{"prompt": f"<bos>{a}+{b}<sep>", "answer": str(a + b)[::-1]} for a in range(100) for b in range(100)]
 
 
 def exact_match(record: dict, completion: str, token_ids: list[int], finish_reason: str | None = None) -> float:
