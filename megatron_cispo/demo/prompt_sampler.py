@@ -411,11 +411,12 @@ class PromptSampler(Sampler):
                 if self.rank == 0:
                     box[0] = self.feed.exclusive(lambda: self._eval_on_engine(version))
             elif self.cfg.sync == "stream":
-                _, error = self._stream_to_engine(version) if self.loaded != version else ({}, None)  # collective
+                synced, error = self._stream_to_engine(version) if self.loaded != version else ({}, None)  # collective
                 if self.rank == 0:
                     if error:
                         raise RuntimeError(error)
-                    box[0] = self._eval_on_engine(version)
+                    box[0] = {**self._eval_on_engine(version),
+                              **{f"eval/{k.replace('/', '_')}": v for k, v in synced.items()}}  # its own push
             elif self.rank == 0:
                 self._engine_at(version)
                 box[0] = self._eval_on_engine(version)

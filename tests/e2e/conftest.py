@@ -56,6 +56,7 @@ def readme_run(tmp_path_factory) -> ReadmeRun:
     run_env = {k: v for k, v in env().items() if k not in ("RUN_DIR", "OUT", "STEPS", "NPROC", "PY")}
     port = str(free_port())
     run_env.update(MASTER_PORT=port, PET_MASTER_PORT=port)  # bare torchrun reads PET_MASTER_PORT
+    run_env["PRETRAIN_STEPS"] = "20"  # demo_vllm.sh's warm start, shortened like its steps (SHORT_VLLM)
     ran, skipped = [], []
     for cmd in doc_commands(README.read_text()):
         if any(cmd.startswith(prefix) for prefix in NOT_RUN) or (cmd.startswith(NEEDS_VLLM) and not _venv_has_vllm()):

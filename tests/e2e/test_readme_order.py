@@ -41,7 +41,8 @@ def test_doc_commands_run_in_readme_order_each_into_its_own_default_run_dir(read
     if any(cmd.startswith("bash launch/demo_vllm.sh") for cmd, _ in readme_run.ran):
         assert (runs / "demo_vllm" / "comparison.png").stat().st_size > 0
         for anchor in ("rollout", "old"):
-            assert len((runs / "demo_vllm" / anchor / "metrics.jsonl").read_text().splitlines()) == 2
+            lines = (runs / "demo_vllm" / anchor / "metrics.jsonl").read_text().splitlines()
+            assert len(lines) == 3 and '"eval/accuracy"' in lines[0] and '"eval/accuracy"' in lines[2]  # step 0, 1, 2
     for cmd, _ in readme_run.ran[1:]:  # each YAML run wrote into runs/<its yaml's name>/
         yaml = next((w for w in shlex.split(cmd) if w.startswith("yaml_configs/")), None)
         if yaml is None:

@@ -43,6 +43,9 @@ def _jsonl(path: Path, rows) -> str:
 
 
 def test_prompt_file_and_reward_problems_are_one_line_each(capsys, model, tmp_path):
+    task = ROOT / "yaml_configs" / "data" / "add2"
+    trained = json.loads((task / "train.jsonl").read_text().splitlines()[5])
+    held = json.loads((task / "eval.jsonl").read_text().splitlines()[0])  # never trained on: passes
     reward_file = tmp_path / "bad_reward.py"
     reward_file.write_text("def score(record, completion):\n    return 1.0\n")
     cases = [
@@ -54,6 +57,11 @@ def test_prompt_file_and_reward_problems_are_one_line_each(capsys, model, tmp_pa
         (["data.split=test"], "no split 'test' (data.split)"),
         (["rollout.sync_bucket_mb=0"], "rollout.sync_bucket_mb must be finite and > 0, got 0"),
         (["rollout.sync=nccl"], "rollout.sync: expected 'stream' | 'disk', got str 'nccl'"),
+        (["rollout.mode=async", "rollout.sync=disk"], "rollout.mode='async' pushes weights between generations"),
+        ([f"data.eval_prompts={tmp_path}/nope.jsonl"], f"data.eval_prompts={tmp_path}/nope.jsonl: no such file"),
+        ([f"data.eval_prompts={_jsonl(tmp_path / 'empty.jsonl', [])}"], "empty.jsonl: the file is empty"),
+        ([f"data.eval_prompts={_jsonl(tmp_path / 'seen.jsonl', [held, trained])}"],
+         f"row 1 ({trained['prompt']!r}) is also in data.prompts: held-out prompts must never be trained on"),
     ]
     if HAS_VLLM:  # read after vLLM is found
         cases.append((["rollout.sync_bucket_mb=0.0001"], "rollout.sync_bucket_mb=0.0001 (104 bytes) is smaller than one row of "

@@ -17,6 +17,7 @@ sample lags more than 1, the wait fractions are reported, and the steps equal sy
 the lags do (an engine that happens to start a batch after the next push gives it fresher weights).
 """
 import importlib.util
+import json
 import os
 import time
 from pathlib import Path
@@ -36,14 +37,18 @@ if importlib.util.find_spec("vllm") is None:
 FAST = ["rollout.precision=fp32", "rollout.staleness=0", "rollout.prompts_per_step=4", "rollout.group_size=4",
         "parallelism.micro_batch_size=8", "parallelism.tp=1", "parallelism.sequence_parallel=false",
         "run.log_interval=1", "run.tensorboard=false", "run.checkpoint_interval=0", "optimizer.lr=1e-2",
-        "rollout.sync_bucket_mb=0.02"]  # about 20 KiB: 15 buckets of the 285 KB model
+        "rollout.sync_bucket_mb=0.02", "data.eval_prompts=null"]  # about 20 KiB: 15 buckets of the 285 KB model
 MIN_BUCKETS = 10
 
 
 # The shipped exact-match reward is 0 for nearly every sample of a random model, and a step without
 # advantages leaves the weights where they were: then a sync that never arrived would pass unseen.
 # This reward (a file, as data.reward may name one) differs within every group, so each step moves them.
-REWARD = "def spread(record, completion, token_ids):\n    return float(sum(token_ids) % 5)\n"
+REWARD = ("import json, os\n"
+          "def spread(record, completion, token_ids):\n    return float(sum(token_ids) % 5)\n"
+          "def spread_logged(record, completion, token_ids):  # every scored record, in $SPREAD_LOG\n"
+          "    with open(os.environ['SPREAD_LOG'], 'a') as f:\n        f.write(json.dumps(record['prompt']) + '\\n')\n"
+          "    return float(sum(token_ids) % 5 == 1)\n")
 
 
 @pytest.fixture(scope="module")
@@ -162,9 +167,47 @@ def test_staleness_1_on_pp2_moves_the_ratio_off_1_and_streamed_equals_disk_step_
     assert same >= 2, [r["policy_version_lag"] for r in fed]  # step 1 lags 0 and batch 2 is made before any push
 
 
-def test_top_p_0_9_on_tp2_sp_untied_replays_vllms_kept_sets_ratio_still_1(untied, tmp_path):
-    recs = _run(untied, tmp_path / "run", "rollout.top_p=0.9", "parallelism.tp=2", "parallelism.sequence_parallel=true",
-                steps=2)
+def test_top_p_0_9_on_tp2_sp_untied_replays_vllms_kept_sets_ratio_still_1_and_evaluates_held_out_prompts(
+        untied, tmp_path, monkeypatch):
+    """Also data.eval_prompts (the shipped 200 held-out rows, greedy) before the first step and after the
+    last: every held-out prompt is scored once per evaluation and never as a training sample, and the
+    accuracy equals what transformers decodes greedily from the final export (an independent check)."""
+    held = ROOT / "yaml_configs" / "data" / "add2" / "eval.jsonl"
+    log = tmp_path / "scored.jsonl"
+    monkeypatch.setenv("SPREAD_LOG", str(log))
+    reward = f"data.reward={untied.parent / 'spread.py'}:spread_logged"  # 1 when sum(ids) % 5 == 1
+    run_dir = tmp_path / "run"
+    torchrun(2, [YAML, f"model.hf_path={untied}", f"run.run_dir={run_dir}", "run.steps=2", *FAST, reward,
+                 "rollout.top_p=0.9", "parallelism.tp=2", "parallelism.sequence_parallel=true",
+                 f"data.eval_prompts={held}", "run.export_hf=true"], timeout=600)
+    every = metrics(run_dir)
+    assert [r["step"] for r in every] == [0, 1, 2] and "reward_mean" not in every[0]
+    recs = every[1:]
     for r in recs:
         assert _off_one(r) <= 1e-4, (r["step"], r["cispo/ratio_min"], r["cispo/ratio_max"])
-        assert r["sync/buckets"] >= MIN_BUCKETS, r["sync/buckets"]
+    assert recs[1]["sync/buckets"] >= MIN_BUCKETS and every[0]["eval/sync_buckets"] >= MIN_BUCKETS  # evals push too
+    assert recs[0]["sync/bytes"] == 0  # the first evaluation's push left the engine on version 0
+    assert every[0]["eval/version"] == 0 and every[2]["eval/version"] == 2 and "eval/accuracy" not in every[1]
+    held_prompts = [json.loads(line)["prompt"] for line in held.read_text().splitlines()]
+    scored = [json.loads(line) for line in log.read_text().splitlines()]
+    assert sorted(p for p in scored if p in set(held_prompts)) == sorted(held_prompts * 2)  # two evals, nothing more
+    assert len(scored) == 2 * len(held_prompts) + 2 * 4 * 4  # and 2 steps of 4 prompts x 4 training samples
+    assert 0.05 < every[2]["eval/accuracy"] < 0.95, every[2]  # a score that can differ
+    assert _greedy_accuracy(run_dir / "hf" / "step_2", held_prompts) == pytest.approx(every[2]["eval/accuracy"], abs=0.02)
+
+
+def _greedy_accuracy(model_dir, prompts) -> float:
+    """transformers' own greedy decode of `prompts` (5 new tokens, stop at <eos> 13), scored as spread_logged."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok, model = AutoTokenizer.from_pretrained(str(model_dir)), AutoModelForCausalLM.from_pretrained(str(model_dir))
+    hits = 0
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([tok.encode(p)])
+            new = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
+                                 eos_token_id=13, pad_token_id=13)[0, ids.shape[1]:].tolist()
+            new = new[:new.index(13) + 1] if 13 in new else new
+            hits += sum(new) % 5 == 1
+    return hits / len(prompts)

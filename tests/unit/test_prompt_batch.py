@@ -33,16 +33,35 @@ def _load(model, *overrides):
 def test_the_shipped_yaml_loads_with_an_absolute_prompt_path(tiny_qwen2):
     cfg = _load(tiny_qwen2)
     assert cfg.rollout.engine == "vllm" and cfg.data.prompts.startswith("/")
-    assert cfg.data.prompts.endswith("yaml_configs/data/add_small.jsonl")
+    assert cfg.data.prompts.endswith("yaml_configs/data/add2/train.jsonl")
+    assert cfg.data.eval_prompts.endswith("yaml_configs/data/add2/eval.jsonl")
+
+
+def test_the_shipped_task_files_are_the_generators_and_the_held_out_rows_are_never_trained_on(tmp_path):
+    from pathlib import Path
+
+    from megatron_cispo.rollout.arith import EVAL_ROWS, write_add2
+
+    train, held = write_add2(tmp_path)
+    shipped = Path(__file__).resolve().parents[2] / "yaml_configs" / "data" / "add2"
+    assert train.read_text() == (shipped / "train.jsonl").read_text()
+    assert held.read_text() == (shipped / "eval.jsonl").read_text()
+    held_rows, train_rows = held.read_text().splitlines(), train.read_text().splitlines()
+    assert len(held_rows) == EVAL_ROWS and len(train_rows) == 10_000 - EVAL_ROWS
+    assert not set(held_rows) & set(train_rows)
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["data.prompts=null", "data.reward=null"], "rollout.engine='vllm' samples prompts from a file: set data.prompts"),
+    (["data.prompts=null", "data.reward=null", "data.eval_prompts=null"],
+     "rollout.engine='vllm' samples prompts from a file: set data.prompts"),
     (["rollout.engine=hf"], "data.prompts is sampled by vLLM: set rollout.engine: vllm (got 'hf')"),
     (["data.reward=null"], "data.prompts needs data.reward"),
     (["rollout.credit=token"], "rollout.credit='token' needs the synthetic task's per-position correctness"),
     (["rollout.max_new_tokens=128"], "rollout.max_new_tokens=128 leaves no room for a prompt in model.seq_length=128"),
-    (["data.max_prompt_tokens=126"], "data.max_prompt_tokens=126 + rollout.max_new_tokens=3 exceeds model.seq_length=128"),
+    (["data.max_prompt_tokens=126"], "data.max_prompt_tokens=126 + rollout.max_new_tokens=5 exceeds model.seq_length=128"),
+    (["data.prompts=null", "data.reward=null", "rollout.engine=hf"], "data.eval_prompts holds out prompts of the data.prompts task"),
+    (["run.eval_interval=-1"], "run.eval_interval must be >= 0, got -1"),
+    (["rollout.eval_samples=0"], "rollout.eval_samples must be >= 1, got 0"),
     (["data.reward_timeout_s=0"], "data.reward_timeout_s must be finite and > 0, got 0"),
     (["rollout.max_new_tokens=0"], "rollout.max_new_tokens must be >= 1, got 0"),
 ])
