@@ -24,13 +24,15 @@ def _mean(xs: list[float]) -> float:
 
 
 def split(run_dir: str | Path) -> dict:
-    recs = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if x]
+    every = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if x]
+    recs = [r for r in every if "reward_mean" in r]  # the steps: step 0 holds only the evaluation before them
+    start = every[0].get("rollout/engine_start_s", every[0].get("eval/rollout_engine_start_s")) if every else None
     if not recs or "rollout/seconds" not in recs[0]:
         raise SystemExit(f"{run_dir}: no rollout/seconds in metrics.jsonl (not a rollout.engine=vllm run)")
     later = [r for r in recs if "rollout/engine_start_s" not in r]  # steps without an engine start
     parts = ("rollout/seconds", "sync/seconds", "reward/seconds")
     out = {"run": str(run_dir), "steps": len(recs),
-           "engine_start_s": recs[0]["rollout/engine_start_s"], "first_generate_s": recs[0]["rollout/seconds"],
+           "engine_start_s": float("nan") if start is None else start, "first_generate_s": recs[0]["rollout/seconds"],
            **{p.split("/")[0]: _mean([r.get(p) for r in later]) for p in parts},
            "step": _mean([r["step_time_s"] for r in later]),
            "sync_mb": _mean([r["sync/bytes"] / 2**20 for r in later if r["sync/bytes"] > 0]),
