@@ -117,3 +117,53 @@ def test_a_prompt_file_pair_shows_its_gain_as_information_and_the_k3_column(tmp_
     assert "[PASS] rollout: rollout anchor: clip fraction > 0" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("rollout", "old"))}
     assert rows["old"][-2] == "2.50e-01" and rows["rollout"][-2] == "-", rows
+
+
+def _evaluated(tmp_path, name, anchor, seed, accuracies):
+    """A run with held-out accuracy at steps 0, 5, 10 (step 0: the evaluation before training)."""
+    d = _run(tmp_path, name, anchor, [0.2] * 10)
+    cfg = json.loads((d / "config.yaml").read_text())
+    cfg["run"]["seed"] = seed
+    (d / "config.yaml").write_text(json.dumps(cfg))
+    recs = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    for r in recs:
+        if r["step"] in (5, 10):
+            r["eval/accuracy"] = accuracies[r["step"] // 5]
+    recs.insert(0, {"step": 0, "eval/accuracy": accuracies[0], "eval/version": 0.0})
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return d
+
+
+def test_held_out_accuracy_reaches_the_table_the_figure_and_the_seeds_summary(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    runs = [_evaluated(tmp_path / "s1", "r1", "rollout", 1, [0.4, 0.6, 0.9]),
+            _evaluated(tmp_path / "s2", "r2", "rollout", 2, [0.4, 0.5, 0.7]),
+            _evaluated(tmp_path / "s1", "o1", "old", 1, [0.4, 0.3, 0.5])]
+    s = report.summarize(runs[0])
+    assert s["steps"] == 10 and (s["eval_first"], s["eval_last"]) == (0.4, 0.9)  # step 0 is not a step
+    assert report.main([str(runs[0]), str(runs[2])]) == 0
+    out = capsys.readouterr().out
+    assert "eval first" in out and "0.900" in out
+    fig = report.figure([runs[0]])
+    assert fig.axes[3].get_ylabel() == "held-out accuracy" and list(fig.axes[3].lines[0].get_ydata()) == [0.4, 0.6, 0.9]
+    assert report.main(["--seeds", *map(str, runs), "--png", str(tmp_path / "seeds.png")]) == 0
+    out = capsys.readouterr().out
+    assert "rollout  gain over 2 seeds: mean +40.0, min +30.0, max +50.0 points" in out, out
+    assert "old      gain over 1 seeds: mean +10.0" in out and (tmp_path / "seeds.png").stat().st_size > 0
+    plain = _run(tmp_path, "plain", "rollout", [0.2] * 3)
+    assert report.main(["--seeds", str(plain)]) == 2 and "every run needs data.eval_prompts" in capsys.readouterr().err
+
+
+def test_the_evaluation_before_training_has_its_own_progress_line(tmp_path):
+    import io
+
+    from megatron_cispo.demo.metrics import MetricsWriter
+
+    out = io.StringIO()
+    w = MetricsWriter(tmp_path, label="x", total_steps=4, log_interval=10, tensorboard=False, stream=out)
+    w.log({"step": 0, "eval/accuracy": 0.43, "eval/pass@4": 0.6})
+    w.log({"step": 2, "reward_mean": 0.1, "policy_version_lag": 1, "eval/accuracy": 0.5})  # an eval step prints
+    w.close()
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "[x] before step 1 | eval acc 0.430 pass@4 0.600", lines
+    assert len(lines) == 2 and "eval acc 0.500" in lines[1]
