@@ -291,6 +291,9 @@ def _step(t: _Trainer, step: int):
     lr = t.cfg.optimizer.lr_at(step, t.cfg.run.steps)
     _set_lr(t.optimizer, lr)
     batch = t.sampler.rollouts(step)
+    if batch.info.get("rollout/filter_short_groups") == t.cfg.rollout.prompts_per_step:  # filter_groups: no signal
+        t.sampler.push(step + 1, t.chunks)  # the weights unchanged: Adam's momentum alone would move them
+        return batch, {"step/skipped_no_signal": 1.0, "step/skipped_nonfinite": 0.0, "step/optimizer_steps": 0.0}, lr
     # One minibatch per step, so this is the contiguous split of the batch over DP.
     shard = Rollouts(**batch.rollout_fields()).dp_shard(dp_rank=t.dp_rank, dp=t.dp, minibatches=1)
     local = Rollouts(**{k: v.to(t.env.device) for k, v in shard.select(slice(None)).items()})

@@ -22,6 +22,7 @@ the checkpoint's weights: none lost, none trained twice.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -312,25 +313,46 @@ class PromptSampler(Sampler):
                                     seeds=[_seed(self.seed, p.index, g) for p in prompts], stop_token_ids=self.eos)
         return prompts, [c for per_prompt in out for c in per_prompt], time.perf_counter() - t0
 
-    def _scored(self, generated: tuple, version: int, info: dict, start: float) -> Batch:
-        """The batch of _generate's samples, scored by data.reward within what is left of the step's limit."""
+    def _groups(self, generated: tuple, info: dict, start: float) -> list:
+        """_generate's samples scored by data.reward within what is left of the step's limit, as groups;
+        the reward's counts and the generation time are added to info."""
+        from ..rollout.group_filter import Group
+
         prompts, completions, seconds = generated
         g = self.cfg.group_size
-        info["rollout/seconds"] = seconds
         rewards, scored = self._scores(prompts, completions, max(1.0, self.limit_s - (time.perf_counter() - start)))
-        info.update(scored)
-        rows = [(prompts[i // g].token_ids, c) for i, c in enumerate(completions)]
-        info["rollout/prompt_index_first"] = float(prompts[0].index)
-        return rows_to_batch(rows, rewards, group_size=g, version=version, info=info)
+        for k, v in {**scored, "rollout/seconds": seconds}.items():
+            info[k] = info.get(k, 0.0) + v
+        return [Group(p, completions[i * g:(i + 1) * g], rewards[i * g:(i + 1) * g]) for i, p in enumerate(prompts)]
+
+    def _scored(self, generated: tuple, version: int, info: dict, start: float, engine=contextlib.nullcontext) -> Batch:
+        """The batch of _generate's samples, scored; rollout.filter_groups: the groups without signal
+        dropped and refilled (rollout/group_filter.py), each refill generated with `engine()` held."""
+        from ..rollout.group_filter import refill, zero_signal_frac
+
+        groups = self._groups(generated, info, start)
+        info["rollout/zero_signal_group_frac"] = zero_signal_frac(groups)  # before any filter
+        if self.cfg.filter_groups:
+            def more(n: int) -> list:
+                with engine():
+                    again = self._generate(-1, self.stream.take(n))
+                return self._groups(again, info, start)
+            groups, counts = refill(groups, more, want=self.cfg.prompts_per_step, max_rounds=self.cfg.filter_max_rounds)
+            info.update(counts)
+        rows = [(gr.prompt.token_ids, c) for gr in groups for c in gr.completions]
+        info["rollout/prompt_index_first"] = float(groups[0].prompt.index)
+        return rows_to_batch(rows, [r for gr in groups for r in gr.rewards], group_size=self.cfg.group_size,
+                             version=version, info=info)
 
     # -- rank 0, rollout.mode=async (on the feed's thread: the engine and the reward are its own) --------
     def _feed_generate(self, index: int, version: int) -> tuple:
         prompts = self.stream.take(self.cfg.prompts_per_step)
-        return self.stream.state_dict(), version, time.perf_counter(), self._generate(index, prompts)
+        return version, time.perf_counter(), self._generate(index, prompts)
 
     def _feed_finish(self, raw: tuple) -> tuple[Batch, dict]:
-        after, version, start, generated = raw
-        return self._scored(generated, version, {}, start), after
+        """(the batch, the stream's state after its prompts, refills included: this thread alone takes them)."""
+        version, start, generated = raw
+        return self._scored(generated, version, {}, start, engine=self.feed.engine), self.stream.state_dict()
 
     def _start_feed(self, step: int, version: int) -> None:
         from ..rollout.async_feed import AsyncFeed

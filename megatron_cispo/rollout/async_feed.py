@@ -114,6 +114,10 @@ class AsyncFeed:
                 self._cond.notify_all()
         return value, waited
 
+    def engine(self) -> threading.Lock:
+        """The engine's lock, for the thread's own finish() to generate more (a refill) with it held."""
+        return self._engine
+
     def exclusive(self, use: Callable[[], Any]) -> Any:
         """Run use() with the engine to itself, between two generations (an evaluation); its value."""
         return self.weights(self.version, use)[0]

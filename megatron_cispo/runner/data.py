@@ -66,6 +66,13 @@ class RolloutConfig:
         1, "With data.eval_prompts: samples per eval prompt; 1 = greedy (eval/accuracy is the greedy answer's), "
         "k > 1 = k samples at rollout.temperature with rollout.top_k / top_p (eval/accuracy over all of them, "
         "eval/pass@k: the share of prompts with at least one exact answer).")
+    filter_groups: bool = config_field(
+        False, "Dynamic sampling (DAPO): drop each group whose scored rewards are all equal (zero advantage) and "
+        "sample more prompts to refill the batch, up to rollout.filter_max_rounds extra rounds; then fill with "
+        "dropped groups (rollout/filter_short_groups). A step left with no signal at all skips its optimizer "
+        "step (step/skipped_no_signal): Adam's momentum would otherwise move the weights with no gradient. "
+        "data.prompts only.")
+    filter_max_rounds: int = config_field(3, "rollout.filter_groups: extra sampling rounds per step at most.")
     max_new_tokens: int = config_field(
         16, "With data.prompts: the most tokens a sample may take; EOS ends it earlier. A sample that reaches "
         "it is truncated (rollout/truncated_frac).")
@@ -80,7 +87,7 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         check_field_types(self)
         for name, low in (("digits", 1), ("base", 2), ("prompts_per_step", 1), ("group_size", 2), ("staleness", 0),
-                          ("eval_samples", 1),
+                          ("eval_samples", 1), ("filter_max_rounds", 0),
                           ("top_k", 0), ("max_new_tokens", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"rollout.{name} must be >= {low}, got {getattr(self, name)}")
@@ -194,6 +201,9 @@ def check_data_rollout(data: DataConfig, rollout, model) -> None:
     if data.prompts is not None and rollout.engine != "vllm":
         raise ValueError(f"data.prompts is sampled by vLLM: set rollout.engine: vllm (got {rollout.engine!r}); "
                          "the torch and hf samplers run the synthetic task only")
+    if rollout.filter_groups and data.prompts is None:
+        raise ValueError("rollout.filter_groups drops and refills groups of data.prompts samples (rollout.engine: "
+                         "vllm); the synthetic task has no prompt stream to refill from: set it false")
     if data.prompts is None:
         return
     if rollout.credit == "token":

@@ -48,7 +48,7 @@ REWARD = ("import json, os\n"
           "def spread(record, completion, token_ids):\n    return float(sum(token_ids) % 5)\n"
           "def spread_logged(record, completion, token_ids):  # every scored record, in $SPREAD_LOG\n"
           "    with open(os.environ['SPREAD_LOG'], 'a') as f:\n        f.write(json.dumps(record['prompt']) + '\\n')\n"
-          "    return float(sum(token_ids) % 5 == 1)\n")
+          "    return float((sum(token_ids) + len(record['prompt'])) % 2 == 1)\n")
 
 
 @pytest.fixture(scope="module")
@@ -171,15 +171,16 @@ def test_top_p_0_9_on_tp2_sp_untied_replays_vllms_kept_sets_ratio_still_1_and_ev
         untied, tmp_path, monkeypatch):
     """Also data.eval_prompts (the shipped 200 held-out rows, greedy) before the first step and after the
     last: every held-out prompt is scored once per evaluation and never as a training sample, and the
-    accuracy equals what transformers decodes greedily from the final export (an independent check)."""
+    accuracy equals what transformers decodes greedily from the final export (an independent check).
+    And rollout.filter_groups: the groups without signal are refilled from the prompt stream."""
     held = ROOT / "yaml_configs" / "data" / "add2" / "eval.jsonl"
     log = tmp_path / "scored.jsonl"
     monkeypatch.setenv("SPREAD_LOG", str(log))
-    reward = f"data.reward={untied.parent / 'spread.py'}:spread_logged"  # 1 when sum(ids) % 5 == 1
+    reward = f"data.reward={untied.parent / 'spread.py'}:spread_logged"  # 0/1 from the tokens and the prompt's length
     run_dir = tmp_path / "run"
     torchrun(2, [YAML, f"model.hf_path={untied}", f"run.run_dir={run_dir}", "run.steps=2", *FAST, reward,
                  "rollout.top_p=0.9", "parallelism.tp=2", "parallelism.sequence_parallel=true",
-                 f"data.eval_prompts={held}", "run.export_hf=true"], timeout=600)
+                 f"data.eval_prompts={held}", "run.export_hf=true", "rollout.filter_groups=true"], timeout=600)
     every = metrics(run_dir)
     assert [r["step"] for r in every] == [0, 1, 2] and "reward_mean" not in every[0]
     recs = every[1:]
@@ -191,7 +192,11 @@ def test_top_p_0_9_on_tp2_sp_untied_replays_vllms_kept_sets_ratio_still_1_and_ev
     held_prompts = [json.loads(line)["prompt"] for line in held.read_text().splitlines()]
     scored = [json.loads(line) for line in log.read_text().splitlines()]
     assert sorted(p for p in scored if p in set(held_prompts)) == sorted(held_prompts * 2)  # two evals, nothing more
-    assert len(scored) == 2 * len(held_prompts) + 2 * 4 * 4  # and 2 steps of 4 prompts x 4 training samples
+    # and each step's 4 prompts x 4 training samples, with the prompts rollout.filter_groups sampled to refill
+    assert len(scored) == 2 * len(held_prompts) + sum(4 + r["rollout/filter_extra_prompts"] for r in recs) * 4
+    for r in recs:  # a 0/1 reward on 4 samples: groups without signal are common; each was replaced or counted
+        assert r["rollout/filter_dropped_groups"] + r["rollout/filter_short_groups"] >= 0
+        assert r["rollout/filter_extra_prompts"] >= r["rollout/filter_dropped_groups"] - 1e-9
     assert 0.05 < every[2]["eval/accuracy"] < 0.95, every[2]  # a score that can differ
     assert _greedy_accuracy(run_dir / "hf" / "step_2", held_prompts) == pytest.approx(every[2]["eval/accuracy"], abs=0.02)
 
@@ -209,5 +214,5 @@ def _greedy_accuracy(model_dir, prompts) -> float:
             new = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
                                  eos_token_id=13, pad_token_id=13)[0, ids.shape[1]:].tolist()
             new = new[:new.index(13) + 1] if 13 in new else new
-            hits += sum(new) % 5 == 1
+            hits += (sum(new) + len(p)) % 2 == 1
     return hits / len(prompts)
