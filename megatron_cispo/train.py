@@ -92,7 +92,7 @@ def _world_size(flag: int | None) -> int:
 
 def _check_sources(cfg) -> None:
     """--check: vLLM installed, data.prompts readable, data.reward importable (rollout.engine: vllm)."""
-    from .demo.prompt_sampler import check_sources
+    from .demo.prompt_sources import check_sources
 
     try:
         check_sources(cfg)
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# ok: {world} processes = tp {p.tp} x pp {p.pp} x dp {dp}{extra}")
         return 0
     from .demo.loop import NonFiniteStop, run
-    from .demo.prompt_sampler import RolloutFailed
+    from .demo.prompt_sources import RolloutFailed
     from .mcore import MegatronCoreMissing
     from .runner.peers import PeerLost
     from .runner.checkpoint import SaveFailed

@@ -31,7 +31,8 @@ from ..runner import checkpoint, checkpoint_files, peers, preempt, resume_check,
 from ..runner.experiment import ExperimentConfig, dump_yaml
 from ..step.policy_step import NONFINITE_CHECKS
 from .metrics import MetricsWriter, finite_record, headline, say
-from .prompt_sampler import PromptSampler, RolloutFailed, check_sources
+from .prompt_sampler import PromptSampler
+from .prompt_sources import RolloutFailed, check_sources
 from .sampler import Sampler
 
 

@@ -28,9 +28,10 @@ from typing import Any, Callable, Optional
 
 class AsyncFeed:
     def __init__(self, generate: Callable[[int, int], Any], finish: Callable[[Any], Any], *, staleness: int,
-                 policy: str, first: int, last: Optional[int], version: int):
+                 policy: str, first: int, last: Optional[int], version: int, start: bool = True):
         """first: the index of the first batch (the step a run starts or resumes at); last: no batch from
-        this index on (run.steps; None: until closed); version: the policy version the engine holds."""
+        this index on (run.steps; None: until closed); version: the policy version the engine holds;
+        start=False: the thread starts at start() (when the callbacks need the feed itself first)."""
         if policy not in ("wait", "drop"):
             raise ValueError(f"policy must be 'wait' or 'drop', got {policy!r}")
         self._generate, self._finish = generate, finish
@@ -47,6 +48,10 @@ class AsyncFeed:
         self._since = time.monotonic()
         self._idle_since: Optional[float] = None  # when the thread began waiting (None: at work)
         self._thread = threading.Thread(target=self._run, name="cispo-async-rollouts", daemon=True)
+        if start:
+            self._thread.start()
+
+    def start(self) -> None:
         self._thread.start()
 
     # -- the thread -----------------------------------------------------------------------------------
@@ -163,6 +168,8 @@ class AsyncFeed:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+        if not self._thread.is_alive():  # never started, or done
+            return
         self._thread.join(1.0)
         if self._thread.is_alive() and self._busy and kill is not None:
             kill()
