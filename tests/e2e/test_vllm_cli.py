@@ -48,6 +48,8 @@ REWARD = ("import json, os\n"
           "def spread(record, completion, token_ids):\n    return float(sum(token_ids) % 5)\n"
           "def spread_logged(record, completion, token_ids):  # every scored record, in $SPREAD_LOG\n"
           "    with open(os.environ['SPREAD_LOG'], 'a') as f:\n        f.write(json.dumps(record['prompt']) + '\\n')\n"
+          "    if record['prompt'] == '<bos>97+70<sep>':  # a held-out row: the reward fails, the run goes on\n"
+          "        raise ValueError('no score for this one')\n"
           "    return float((sum(token_ids) + len(record['prompt'])) % 2 == 1)\n")
 
 
@@ -189,6 +191,7 @@ def test_top_p_0_9_on_tp2_sp_untied_replays_vllms_kept_sets_ratio_still_1_and_ev
     assert recs[1]["sync/buckets"] >= MIN_BUCKETS and every[0]["eval/sync_buckets"] >= MIN_BUCKETS  # evals push too
     assert recs[0]["sync/bytes"] == 0  # the first evaluation's push left the engine on version 0
     assert every[0]["eval/version"] == 0 and every[2]["eval/version"] == 2 and "eval/accuracy" not in every[1]
+    assert every[0]["eval/scored_frac"] == every[2]["eval/scored_frac"] == 199 / 200  # the row whose reward raised
     held_prompts = [json.loads(line)["prompt"] for line in held.read_text().splitlines()]
     scored = [json.loads(line) for line in log.read_text().splitlines()]
     assert sorted(p for p in scored if p in set(held_prompts)) == sorted(held_prompts * 2)  # two evals, nothing more
