@@ -1,19 +1,24 @@
-"""End-to-end helpers: launch `megatron_cispo.train` under torchrun as a user would, read metrics."""
+"""End-to-end helpers: launch `megatron_cispo.train` under torchrun as a user would, or on the in-process
+harness's ranks where the launcher is not the subject (`ranks`), and read metrics."""
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import pytest
 
 from megatron_cispo.demo.metrics import TIMING_KEYS as TIMING  # wall-clock keys, left out of comparisons
-from megatron_cispo.testing import free_port
+from megatron_cispo.testing import RankFailed, free_port, spawn
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = str(ROOT / "yaml_configs" / "demo_cpu.yaml")
@@ -49,6 +54,61 @@ def torchrun(nproc: int, args: list[str], *, timeout: float = 240, check: bool =
             break
     if check and proc.returncode != 0:
         pytest.fail(f"torchrun exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
+                    f"--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
+_RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _cli_rank(argv: list[str], out_dir: str, run_env: dict[str, str]) -> int:
+    """One rank of `ranks`: `megatron_cispo.train.main(argv)` as torchrun's worker would run it (ROOT as the
+    cwd, env()'s variables, stdout and stderr at fd level in files, so child processes' output is kept)."""
+    rank = os.environ["RANK"]
+    os.chdir(ROOT)
+    ours = {k: os.environ[k] for k in _RANK_ENV}  # the harness's; the rest is the caller's env() as of now
+    os.environ.clear()
+    os.environ.update({**run_env, **ours})
+    warnings.simplefilter("ignore")  # what env()'s PYTHONWARNINGS=ignore does at a process's start
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        f = os.open(os.path.join(out_dir, f"{name}.{rank}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    from megatron_cispo.train import main
+
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001 - as a process would: the traceback on stderr, exit 1
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return code
+
+
+def ranks(nproc: int, args: list[str], *, timeout: float = 240, check: bool = True) -> subprocess.CompletedProcess:
+    """`megatron_cispo.train` on `nproc` gloo ranks forked from the harness's forkserver (torch and
+    megatron-core already imported), for tests whose subject is the run, not the launcher: the same
+    main(), config, process groups and files as under torchrun, without its agent and per-rank imports
+    (about 6-10 s a launch on 2 cores). Every rank runs to its end (torchrun would stop the others at
+    the first failure); returncode is the first non-zero rank code, stdout and stderr are the ranks'
+    in rank order. Launcher behaviour (signals, exit summaries, nodes) stays with `torchrun`."""
+    out_dir = Path(tempfile.mkdtemp(prefix="cispo_ranks_"))
+    run_env = {k: v for k, v in env().items() if k not in _RANK_ENV}  # the forkserver's env is from its start
+    try:
+        codes = spawn(_cli_rank, nproc, (list(args), str(out_dir), run_env), timeout_s=timeout)
+        failure = ""
+    except RankFailed as e:
+        codes, failure = [1] * nproc, f"\n{e}"
+    read = lambda name: "".join((out_dir / f"{name}.{r}").read_text(errors="replace")  # noqa: E731
+                                for r in range(nproc) if (out_dir / f"{name}.{r}").is_file())
+    proc = subprocess.CompletedProcess(["ranks", str(nproc), *args], next((c for c in codes if c), 0),
+                                       read("stdout"), read("stderr") + failure)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    if check and proc.returncode != 0:
+        pytest.fail(f"ranks exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
                     f"--- stderr\n{proc.stderr[-6000:]}")
     return proc
 

@@ -13,7 +13,7 @@ import subprocess
 import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
-from e2e_helpers import DEMO, TINY, assert_metrics_close, metrics, torchrun
+from e2e_helpers import DEMO, TINY, assert_metrics_close, metrics, ranks
 from megatron_cispo.train import EXIT_SAVE_FAILED
 from megatron_cispo.config import ConfigError
 from megatron_cispo.runner import checkpoint, checkpoint_files
@@ -28,7 +28,7 @@ def _args(run_dir, *extra):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("ref") / "tp2"
-    torchrun(2, _args(run_dir, "parallelism.tp=2"))
+    ranks(2, _args(run_dir, "parallelism.tp=2"))
     return run_dir
 
 
@@ -146,7 +146,7 @@ def test_the_cli_resumes_on_another_layout_from_the_previous_checkpoint_when_the
         reference, tmp_path):
     ckpts = _copy(reference, tmp_path)
     bad = _corrupt(ckpts / "step_000004", "truncated_model_shard")
-    proc = torchrun(1, _args(tmp_path, "run.resume=true", "parallelism.tp=1"))
+    proc = ranks(1, _args(tmp_path, "run.resume=true", "parallelism.tp=1"))
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: checkpoint")]
     assert len(warnings) == 1 and str(bad) in warnings[0] and "truncated" in warnings[0], proc.stderr[-3000:]
     assert f"resumed from {ckpts / 'step_000002'}" in proc.stdout
@@ -160,11 +160,10 @@ def test_the_cli_refuses_to_resume_when_no_checkpoint_is_intact(reference, tmp_p
     ckpts = _copy(reference, tmp_path)
     for step in (2, 4):
         _corrupt(ckpts / f"step_{step:06d}", "empty_COMPLETE")
-    proc = torchrun(2, _args(tmp_path, "run.resume=true", "parallelism.tp=2"), check=False)
-    assert proc.returncode != 0
+    proc = ranks(2, _args(tmp_path, "run.resume=true", "parallelism.tp=2"), check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]  # ConfigError's exit code
     errors = [line for line in proc.stderr.splitlines() if "no intact checkpoint" in line]
-    assert len(errors) == 1 and str(ckpts) in errors[0], proc.stderr[-3000:]
-    assert "exitcode  : 2" in proc.stderr  # ConfigError's exit code; no rank printed a traceback:
+    assert len(errors) == 1 and str(ckpts) in errors[0], proc.stderr[-3000:]  # no rank printed a traceback:
     assert "ConfigError" not in proc.stderr and "megatron_cispo/" not in proc.stderr.replace(DEMO, "")
 
 
@@ -183,9 +182,9 @@ def small_disk(tmp_path):
 
 def test_a_full_disk_during_a_checkpoint_stops_in_one_line_and_removes_the_partial_checkpoint(small_disk):
     run_dir = small_disk / "run"
-    proc = torchrun(2, [DEMO, *TINY, "parallelism.tp=1", "run.steps=6", "run.checkpoint_interval=2",
-                        f"run.run_dir={run_dir}"], check=False)
-    assert proc.returncode != 0 and f"exitcode  : {EXIT_SAVE_FAILED}" in proc.stderr, proc.stderr[-3000:]
+    proc = ranks(2, [DEMO, *TINY, "parallelism.tp=1", "run.steps=6", "run.checkpoint_interval=2",
+                     f"run.run_dir={run_dir}"], check=False)
+    assert proc.returncode == EXIT_SAVE_FAILED, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if "not written" in line]
     assert len(lines) == 1, proc.stderr[-3000:]  # said once, by rank 0; no rank printed a traceback:
     assert "[rank0]" not in proc.stderr and "megatron_cispo/" not in proc.stderr.replace(DEMO, "")

@@ -6,7 +6,7 @@ commands in docs/launch.md run it; the batch is smaller and the sampler fp32 so 
 """
 import pytest
 
-from e2e_helpers import ROOT, assert_metrics_close, metrics, torchrun
+from e2e_helpers import ROOT, assert_metrics_close, metrics, ranks
 
 CONFIG = str(ROOT / "yaml_configs" / "cispo_rollout.yaml")
 SMALL = ["rollout.prompts_per_step=8", "rollout.group_size=4", "parallelism.micro_batch_size=8",
@@ -16,7 +16,7 @@ MOE = ["model.num_moe_experts=4", "model.moe_router_topk=2", "model.moe_aux_loss
 
 def _run(tmp_path, name, nproc, *overrides):
     run_dir = tmp_path / name
-    torchrun(nproc, [CONFIG, *SMALL, *overrides, f"run.run_dir={run_dir}"])
+    ranks(nproc, [CONFIG, *SMALL, *overrides, f"run.run_dir={run_dir}"])
     return metrics(run_dir)
 
 

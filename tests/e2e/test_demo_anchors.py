@@ -1,6 +1,6 @@
 """The demo's two runs (`bash launch/demo.sh`: 60 steps per anchor, 4 processes, TP=2 x DP=2), read from
 the session's README-order run (tests/e2e/conftest.py, readme_run), plus a fresh fp32 sampler run."""
-from e2e_helpers import ROOT, metrics, torchrun
+from e2e_helpers import ROOT, metrics, ranks
 
 STEPS = 60  # launch/demo.sh's default
 REQUIRED = ("step", "reward_mean", "loss", "grad_norm", "ratio_mean", "ratio_min", "ratio_max", "clip_frac_low",
@@ -47,8 +47,8 @@ def test_rollout_anchor_sees_sampler_mismatch_and_clips(readme_run):
 
 def test_fresh_fp32_sampler_makes_the_rollout_anchor_equal_the_old(tmp_path):
     # No staleness, no precision gap: pi_rollout is pi_theta up to float rounding.
-    torchrun(1, [str(ROOT / "yaml_configs/cispo_rollout.yaml"), "parallelism.tp=1", "rollout.staleness=0",
-                 "rollout.precision=fp32", "run.steps=2", f"run.run_dir={tmp_path}"])
+    ranks(1, [str(ROOT / "yaml_configs/cispo_rollout.yaml"), "parallelism.tp=1", "rollout.staleness=0",
+              "rollout.precision=fp32", "run.steps=2", f"run.run_dir={tmp_path}"])
     for r in metrics(tmp_path):
         assert abs(r["ratio_min"] - 1) < 1e-4 and abs(r["ratio_max"] - 1) < 1e-4
         assert r["clip_frac"] == 0.0 and r["policy_version_lag"] == 0

@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from e2e_helpers import ROOT, env, torchrun  # noqa: E402
+from e2e_helpers import ROOT, env, ranks  # noqa: E402
 from test_checkpoint_cross_version import other  # noqa: E402, F401 - the fixture: the other tier's python
 from megatron_cispo.export_hf import main as export_main  # noqa: E402
 from megatron_cispo.hf.export import MARKER  # noqa: E402
@@ -94,7 +94,7 @@ def _export_cli(*args, check: bool = True, python: str = sys.executable) -> subp
 ], ids=["qwen2-tp2-pp2", "qwen3_moe-tp2-pp2-sp", "qwen3_moe-pp2-ep2"])
 def test_steps_0_exports_the_loaded_model_bit_for_bit(models, tmp_path, family, layout):
     run_dir = tmp_path / "run"
-    proc = torchrun(4, [_yaml(tmp_path, models[family], run_dir), "run.steps=0", *layout])
+    proc = ranks(4, [_yaml(tmp_path, models[family], run_dir), "run.steps=0", *layout])
     out = run_dir / "hf" / "step_0"
     assert f"run.steps=0: wrote {out}" in proc.stdout
     _assert_same_tensors(_tensors(out), _tensors(models[family]))
@@ -110,7 +110,7 @@ def trained(models, tmp_path_factory) -> Path:
     """qwen2 trained 5 steps on tp=2 pp=2, checkpoints (and so exports) after steps 2 and 4, an export at the end."""
     tmp = tmp_path_factory.mktemp("hf_trained")
     run_dir = tmp / "run"
-    torchrun(4, [_yaml(tmp, models["qwen2"], run_dir), "run.steps=5", "run.checkpoint_interval=2"])
+    ranks(4, [_yaml(tmp, models["qwen2"], run_dir), "run.steps=5", "run.checkpoint_interval=2"])
     return run_dir
 
 
@@ -119,9 +119,9 @@ def trained_moe(models, tmp_path_factory) -> Path:
     """qwen3_moe trained 2 steps on tp=2+SP x ep=2 (expert TP 2, dp=2), a checkpoint and export after step 2."""
     tmp = tmp_path_factory.mktemp("hf_trained_moe")
     run_dir = tmp / "run"
-    torchrun(4, [_yaml(tmp, models["qwen3_moe"], run_dir), "run.steps=2", "run.checkpoint_interval=2",
-                 "parallelism.pp=1", "parallelism.ep=2", "parallelism.sequence_parallel=true",
-                 "parallelism.micro_batch_size=2"])
+    ranks(4, [_yaml(tmp, models["qwen3_moe"], run_dir), "run.steps=2", "run.checkpoint_interval=2",
+              "parallelism.pp=1", "parallelism.ep=2", "parallelism.sequence_parallel=true",
+              "parallelism.micro_batch_size=2"])
     return run_dir
 
 

@@ -5,7 +5,7 @@ CISPO ratio pi_theta / pi_rollout is the trainer/sampler mismatch itself: within
 """
 import pytest
 
-from e2e_helpers import metrics, torchrun
+from e2e_helpers import metrics, ranks
 
 YAML = """\
 model: {{hf_path: {model}, dtype: fp32, transformer_impl: local}}
@@ -34,7 +34,7 @@ def experiment(tmp_path_factory):
 
 
 def _run(experiment, run_dir, *overrides) -> list[dict]:
-    torchrun(2, [str(experiment), f"run.run_dir={run_dir}", *overrides], timeout=300)
+    ranks(2, [str(experiment), f"run.run_dir={run_dir}", *overrides], timeout=300)
     recs = metrics(run_dir)
     assert [r["step"] for r in recs] == [1, 2, 3]
     assert all(r["policy_version_lag"] == 0 for r in recs)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from e2e_helpers import DEMO, ROOT, TINY, assert_metrics_close, env, metrics, torchrun
+from e2e_helpers import DEMO, ROOT, TINY, assert_metrics_close, env, metrics, ranks
 from megatron_cispo.testing import free_port
 
 STEPS = 4
@@ -29,21 +29,21 @@ def _killed_after_step_2(reference, run_dir):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("ref") / "tp2_dp2"
-    torchrun(4, _args(run_dir, "parallelism.tp=2", "parallelism.pp=1"))
+    ranks(4, _args(run_dir, "parallelism.tp=2", "parallelism.pp=1"))
     return run_dir
 
 
 @pytest.mark.parametrize("nproc, tp, pp", [(1, 1, 1), (4, 2, 2)], ids=["tp1_pp1_dp1", "tp2_pp2_dp1"])
 def test_layouts_give_the_same_first_three_steps(reference, tmp_path, nproc, tp, pp):
-    torchrun(nproc, _args(tmp_path / "run", f"parallelism.tp={tp}", f"parallelism.pp={pp}", "run.steps=3",
-                          "run.checkpoint_interval=0"))
+    ranks(nproc, _args(tmp_path / "run", f"parallelism.tp={tp}", f"parallelism.pp={pp}", "run.steps=3",
+                       "run.checkpoint_interval=0"))
     assert_metrics_close(metrics(tmp_path / "run"), metrics(reference), steps=3, atol=1e-4)
 
 
 def test_resumed_run_matches_uninterrupted_run_step_for_step(reference, tmp_path):
     run_dir = tmp_path / "resumed"
     _killed_after_step_2(reference, run_dir)
-    proc = torchrun(4, _args(run_dir, "run.resume=true"))
+    proc = ranks(4, _args(run_dir, "run.resume=true"))
     assert "resumed from" in proc.stdout
     resumed, straight = metrics(run_dir), metrics(reference)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
@@ -55,7 +55,7 @@ def test_resume_on_another_layout_matches_the_uninterrupted_run(reference, tmp_p
     # model and the optimizer state, and steps 3-4 match the uninterrupted run as layouts match.
     run_dir = tmp_path / "relayout"
     _killed_after_step_2(reference, run_dir)
-    proc = torchrun(2, _args(run_dir, "run.resume=true", "parallelism.tp=1", "parallelism.pp=2"))
+    proc = ranks(2, _args(run_dir, "run.resume=true", "parallelism.tp=1", "parallelism.pp=2"))
     assert "resumed from" in proc.stdout and "world 2 = tp 1 x pp 2 x dp 1" in proc.stdout
     resumed = metrics(run_dir)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
@@ -68,7 +68,7 @@ def test_resume_skips_an_incomplete_checkpoint(reference, tmp_path):
     shutil.copytree(reference / "checkpoints", run_dir / "checkpoints")
     (run_dir / "checkpoints" / "step_000004" / "COMPLETE").unlink()
     shutil.copy(reference / "metrics.jsonl", run_dir / "metrics.jsonl")
-    proc = torchrun(4, _args(run_dir, "run.resume=true"))
+    proc = ranks(4, _args(run_dir, "run.resume=true"))
     resumed_line = next(line for line in proc.stdout.splitlines() if "resumed from" in line)
     assert resumed_line.split("resumed from", 1)[1].strip().endswith("step_000002"), resumed_line
     resumed = metrics(run_dir)

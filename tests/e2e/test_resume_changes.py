@@ -12,7 +12,7 @@ import shutil
 import pytest
 import yaml
 
-from e2e_helpers import DEMO, TIMING, TINY, metrics, torchrun
+from e2e_helpers import DEMO, TIMING, TINY, metrics, ranks
 
 STEPS = 4
 
@@ -25,7 +25,7 @@ def _args(run_dir, *extra):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("ref") / "run"
-    torchrun(1, _args(run_dir))
+    ranks(1, _args(run_dir))
     return run_dir
 
 
@@ -42,7 +42,7 @@ def _resumable(reference, tmp_path, step=2):
 def _one_line(proc, text):
     lines = [line for line in proc.stderr.splitlines() if text in line]
     assert len(lines) == 1, proc.stderr[-3000:]
-    # no rank printed a traceback (bare torchrun adds its own ChildFailedError summary on a failure)
+    # no rank printed a traceback
     assert "[rank0]" not in proc.stderr and "megatron_cispo/" not in proc.stderr.replace(DEMO, ""), proc.stderr[-3000:]
     return lines[0]
 
@@ -50,7 +50,7 @@ def _one_line(proc, text):
 def test_a_changed_weight_decay_applies_after_resume_with_one_warning_and_every_start_keeps_its_config(
         reference, tmp_path):
     run_dir, ckpt = _resumable(reference, tmp_path)
-    proc = torchrun(1, _args(run_dir, "run.resume=true", "optimizer.weight_decay=0.5"))
+    proc = ranks(1, _args(run_dir, "run.resume=true", "optimizer.weight_decay=0.5"))
     assert _one_line(proc, "warning: resuming") == (
         f"warning: resuming {ckpt} with changed settings, applied from step 3: optimizer.weight_decay 0.0 -> 0.5 "
         "(run_dir/config_history/ keeps each start's config)")
@@ -71,9 +71,9 @@ def test_a_changed_weight_decay_applies_after_resume_with_one_warning_and_every_
 def test_changes_the_checkpoint_cannot_carry_are_refused_in_one_line_naming_each_key(reference, tmp_path):
     run_dir, ckpt = _resumable(reference, tmp_path)
     before = metrics(run_dir)
-    proc = torchrun(1, _args(run_dir, "run.resume=true", "run.seed=7", "optimizer.name=sgd", "model.hidden_size=32"),
-                    check=False)
-    assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]
+    proc = ranks(1, _args(run_dir, "run.resume=true", "run.seed=7", "optimizer.name=sgd", "model.hidden_size=32"),
+                 check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
     line = _one_line(proc, "cannot continue with changed")
     assert (f"run.resume: {ckpt} cannot continue with changed model.hidden_size (saved 64, now 32), optimizer.name "
             "(saved 'adam', now 'sgd'), run.seed (saved 1234, now 7): ") in line
@@ -86,8 +86,8 @@ def test_another_model_shape_without_a_saved_config_is_one_line_naming_the_tenso
     # (torch's CheckpointException is a BaseException; it printed 164 lines with 7 tracebacks).
     run_dir, ckpt = _resumable(reference, tmp_path)
     (ckpt / "config.yaml").unlink()
-    proc = torchrun(1, _args(run_dir, "run.resume=true", "model.hidden_size=32"), check=False)
-    assert proc.returncode != 0 and "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]
+    proc = ranks(1, _args(run_dir, "run.resume=true", "model.hidden_size=32"), check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
     line = _one_line(proc, "cannot load the model and optimizer")
     assert f"from {ckpt}: CheckpointingException: Global shape mismatch for loaded " in line
     assert "tensor for key embedding." in line and line.endswith("it was saved by another model or optimizer")
@@ -96,8 +96,8 @@ def test_another_model_shape_without_a_saved_config_is_one_line_naming_the_tenso
 def test_a_larger_staleness_on_resume_samples_with_the_oldest_version_the_checkpoint_holds(reference, tmp_path):
     # At step 4 the sampler holds versions 2-4 (staleness 2); staleness 5 wants version 0 for steps 5 and 6.
     run_dir, ckpt = _resumable(reference, tmp_path, step=4)
-    proc = torchrun(1, _args(run_dir, "run.resume=true", "run.steps=6", "rollout.staleness=5",
-                             "loss.cispo.anchor=old"))
+    proc = ranks(1, _args(run_dir, "run.resume=true", "run.steps=6", "rollout.staleness=5",
+                          "loss.cispo.anchor=old"))
     assert _one_line(proc, "warning: resuming").endswith(
         "applied from step 5: loss.cispo.anchor 'rollout' -> 'old', rollout.staleness 2 -> 5 "
         "(run_dir/config_history/ keeps each start's config)")

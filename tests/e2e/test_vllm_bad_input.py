@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e_helpers import ROOT, torchrun
+from e2e_helpers import ROOT, ranks
 from megatron_cispo.train import EXIT_CONFIG, main
 
 YAML = str(ROOT / "yaml_configs" / "vllm_qwen2_tiny.yaml")
@@ -99,8 +99,8 @@ def test_a_run_refuses_a_bad_prompt_file_once_before_touching_run_dir(model, tmp
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
     bad = _jsonl(tmp_path / "bad.jsonl", [{"prompt": 7}])
-    proc = torchrun(2, [YAML, f"model.hf_path={model}", f"run.run_dir={run_dir}", f"data.prompts={bad}",
-                        "run.resume=true"], check=False, timeout=300)
+    proc = ranks(2, [YAML, f"model.hf_path={model}", f"run.run_dir={run_dir}", f"data.prompts={bad}",
+                     "run.resume=true"], check=False, timeout=300)
     said = [line for line in proc.stderr.splitlines() if "data.prompts" in line]
     assert proc.returncode != 0 and len(said) == 1, proc.stderr[-3000:]
     assert "not a string" in said[0], said

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e_helpers import ROOT, Job, metrics, torchrun
+from e2e_helpers import ROOT, Job, metrics, ranks
 from megatron_cispo.runner import checkpoint
 
 YAML = str(ROOT / "yaml_configs" / "vllm_qwen2_tiny.yaml")
@@ -71,8 +71,8 @@ def untied(model):
 
 def _run(model, run_dir, *overrides, steps: int) -> list[dict]:
     reward = f"data.reward={model.parent / 'spread.py'}:spread"
-    torchrun(2, [YAML, f"model.hf_path={model}", f"run.run_dir={run_dir}", f"run.steps={steps}", reward, *FAST,
-                 *overrides], timeout=600)
+    ranks(2, [YAML, f"model.hf_path={model}", f"run.run_dir={run_dir}", f"run.steps={steps}", reward, *FAST,
+              *overrides], timeout=600)
     recs = metrics(run_dir)
     assert all(r["grad_norm"] > 0 for r in recs), [r["grad_norm"] for r in recs]
     return recs
@@ -180,9 +180,9 @@ def test_top_p_0_9_on_tp2_sp_untied_replays_vllms_kept_sets_ratio_still_1_and_ev
     monkeypatch.setenv("SPREAD_LOG", str(log))
     reward = f"data.reward={untied.parent / 'spread.py'}:spread_logged"  # 0/1 from the tokens and the prompt's length
     run_dir = tmp_path / "run"
-    torchrun(2, [YAML, f"model.hf_path={untied}", f"run.run_dir={run_dir}", "run.steps=2", *FAST, reward,
-                 "rollout.top_p=0.9", "parallelism.tp=2", "parallelism.sequence_parallel=true",
-                 f"data.eval_prompts={held}", "run.export_hf=true", "rollout.filter_groups=true"], timeout=600)
+    ranks(2, [YAML, f"model.hf_path={untied}", f"run.run_dir={run_dir}", "run.steps=2", *FAST, reward,
+              "rollout.top_p=0.9", "parallelism.tp=2", "parallelism.sequence_parallel=true",
+              f"data.eval_prompts={held}", "run.export_hf=true", "rollout.filter_groups=true"], timeout=600)
     every = metrics(run_dir)
     assert [r["step"] for r in every] == [0, 1, 2] and "reward_mean" not in every[0]
     recs = every[1:]
