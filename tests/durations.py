@@ -17,8 +17,9 @@ def read(path):
     """junit XML -> [(module path 'tests/unit/test_x.py', test name, seconds, outcome)]."""
     rows = []
     for case in ET.parse(path).getroot().iter("testcase"):
-        module = case.get("classname", "").split(".")
-        # classname is 'tests.unit.test_x' or 'tests.unit.test_x.TestClass'
+        # classname is 'tests.unit.test_x' or 'tests.unit.test_x.TestClass'; a module skipped whole (or
+        # failing to import) is one case with an empty classname and the module as its name
+        module = (case.get("classname") or case.get("name", "")).split(".")
         while module and not module[-1].startswith("test_"):
             module.pop()
         outcome = "passed"

@@ -15,6 +15,7 @@ import torch
 from megatron_cispo.config import ConfigError, CorrectionConfig, KLConfig, LossConfig, TISConfig
 from megatron_cispo.integrations import megatron_lm as mlm
 from megatron_cispo.integrations.megatron_lm.api import describe_params, signature_mismatch
+from megatron_cispo.integrations.megatron_lm.dropin import clip_bounds
 from megatron_cispo.losses import compute_policy_loss
 
 B, S = 3, 7
@@ -169,6 +170,30 @@ def test_dropin_cispo_masked_token_mean_equals_compute_policy_loss(anchor):
     anchor_lp = x["old_logprobs"] if anchor == "old" else x["inference_logprobs"]
     torch.testing.assert_close(out[2].double(), (x["current_logprobs"] - anchor_lp).exp().detach(), rtol=1e-6, atol=0)
     assert torch.equal(out[4], out[2] > 1.3) and torch.equal(out[5], out[2] < 0.5)
+
+
+@pytest.mark.parametrize("clip, low, high", [
+    (dict(clip_max=0.2), 0.0, 0.2),  # ms-swift/TRL's cap (presets): below 1, the floor at 0 (eps_low 1)
+    (dict(eps_low=10.0, eps_high=0.5), 0.0, 1.5),  # verl's "no floor": 1 - eps_low < 0 floors at 0
+    (dict(clip_min=0.7, clip_max=1.1, eps_low=0.1, eps_high=9.0), 0.7, 1.1),  # absolute bounds replace offsets
+], ids=["clip_max", "eps_low_over_1", "clip_min_and_max"])
+def test_dropin_truncation_flags_are_the_clamps_bounds(clip, low, high):
+    """truncated_from_above/below use CispoConfig.bounds(), the clamp's own [low, high]: the flagged
+    tokens are exactly those whose weight the loss clamps (1 - eps_low, 1 + eps_high would disagree)."""
+    cfg = LossConfig(policy_loss="cispo", cispo=dataclasses.replace(LossConfig().cispo, **clip))
+    mlm.configure(cfg)
+    assert clip_bounds(cfg) == cfg.cispo.bounds() == (low, high)  # eps_low > 1 floors at 0, not 1 - eps_low
+    x = _inputs(4)
+    x["old_logprobs"] = x["current_logprobs"].detach() + torch.linspace(-2, 2, B * S, dtype=torch.float64).reshape(B, S)
+    x["inference_logprobs"] = None  # no sampler correction (w_is): the loss is the clamp alone
+    out = mlm.calculate_grpo_loss(**x, clamp_eps_lower=0.2, clamp_eps_upper=0.2, kl_beta=0.0, entropy_weight=0.0)
+    ratios = out[2]
+    assert (ratios > high).any() and (low == 0.0 or (ratios < low).any())  # both sides are exercised
+    assert torch.equal(out[4], ratios > high) and torch.equal(out[5], ratios < low)
+    # the loss's weight is sg(clamp(r, low, high)) * A: its gradient wrt log pi, per token, says where it clamps
+    out[0].sum().backward()
+    weight = -x["current_logprobs"].grad / x["advantages"].reshape(-1, 1)
+    torch.testing.assert_close(weight, ratios.clamp(low, high).to(weight.dtype), rtol=1e-6, atol=1e-9)
 
 
 def test_rollout_anchor_needs_inference_logprobs_and_rejects_truncation_coef():
