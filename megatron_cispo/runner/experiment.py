@@ -177,10 +177,24 @@ class ExperimentConfig:
             raise ValueError("run.export_hf=true writes a Hugging Face directory of model.hf_path's family; "
                              "set model.hf_path (the synthetic GPT has no HF architecture)")
         self.model.check_layout(tp=p.tp, pp=p.pp, vp=p.vp, cp=p.cp, ep=p.ep, sequence_parallel=p.sequence_parallel)
+        self._check_routing_replay()
         try:  # the registry's rules (unknown loss, rollout anchor + TIS), once per experiment
             check_loss_config(self.loss)
         except ValueError as e:
             raise ValueError(f"loss: {e}") from None
+
+    def _check_routing_replay(self) -> None:
+        """loss.routing_replay='rollout' needs an MoE model and rollouts that carry routes (the torch and hf
+        engines return them on an MoE model; vLLM's does not): said here, so --check refuses it."""
+        if self.loss.routing_replay != "rollout":
+            return
+        if self.model.num_moe_experts is None:
+            dense = f"model.hf_path={self.model.hf_path} is dense" if self.model.hf_path else "no model.num_moe_experts"
+            raise ValueError(f"loss.routing_replay='rollout' replays the sampler's MoE routes: the model is dense "
+                             f"({dense}); set it to 'off'")
+        if self.rollout.engine == "vllm":
+            raise ValueError("loss.routing_replay='rollout' replays the sampler's MoE routes: rollout.engine='vllm' "
+                             "returns none (rollout.engine torch or hf does); set it to 'off'")
 
     def _check_task_geometry(self) -> None:
         """The synthetic task's sequences fit the model and the microbatch token budget."""

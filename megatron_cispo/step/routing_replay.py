@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..schema import ConfigError
 from .reduce import all_reduce_in
 
 _ATTR = "_cispo_layer_replays"  # cache of a model chunk's LayerReplays
@@ -246,15 +247,15 @@ class RoutingReplay:
 
         config = get_model_config(chunks[0])
         dense = not getattr(config, "num_moe_experts", None)
-        if mode == "rollout" and (dense or batch.routed_experts is None):
-            raise ValueError("loss.routing_replay='rollout' replays the sampler's MoE routes: "
+        if mode == "rollout" and (dense or batch.routed_experts is None):  # ConfigError: one line, exit 2
+            raise ConfigError("loss.routing_replay='rollout' replays the sampler's MoE routes: "
                              + ("the model is dense (no model.num_moe_experts); set it to 'off'" if dense else
                                 "the rollouts carry no routed_experts; have the sampler return them or set 'off'"))
         if dense or batch.routed_experts is None:
             return None
         problem = unusable(config)
         if problem and mode == "rollout":
-            raise ValueError(f"loss.routing_replay='rollout': {problem}")
+            raise ConfigError(f"loss.routing_replay='rollout': {problem}")
         if problem:
             if not dist.is_initialized() or dist.get_rank() == 0:  # warnings shows it once per process
                 warnings.warn(f"loss.routing_replay='off': the rollouts' routed_experts are ignored and "

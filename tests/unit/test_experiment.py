@@ -216,3 +216,19 @@ def test_a_yaml_without_run_dir_writes_to_runs_named_after_the_file(tmp_path):
     (tmp_path / "child.yaml").write_text("defaults: set.yaml\n")
     assert load_experiment(tmp_path / "child.yaml").run.run_dir == "out/here"
     assert load_experiment(tmp_path / "my_exp.yaml", ["run.run_dir=x/y"]).run.run_dir == "x/y"
+
+
+def test_routing_replay_rollout_is_refused_at_check_on_a_dense_model_and_with_vllms_rollouts(tmp_path, capsys):
+    """Refused by --check in one line (exit 2), not at the first step with a traceback from every rank."""
+    from megatron_cispo.tools.make_tiny_hf import make_tiny_hf
+
+    code = main(["--check", DEMO, "--world-size", "1", "loss.routing_replay=rollout", "parallelism.tp=1"])
+    err = capsys.readouterr().err.strip()
+    assert code == EXIT_CONFIG and len(err.splitlines()) == 1, err
+    assert "loss.routing_replay='rollout' replays the sampler's MoE routes: the model is dense (no model.num_moe_experts)" in err
+    moe = make_tiny_hf("qwen3_moe", tmp_path / "moe", seed=1)
+    vllm = str(ROOT / "yaml_configs" / "vllm_qwen2_tiny.yaml")
+    with pytest.raises(ConfigError, match="rollout.engine='vllm' returns none"):
+        load_experiment(vllm, [f"model.hf_path={moe}", "loss.routing_replay=rollout"])
+    cfg = load_experiment(DEMO, ["loss.routing_replay=rollout", "model.num_moe_experts=4", "parallelism.tp=1"])
+    assert cfg.loss.routing_replay == "rollout"  # an MoE model whose engine (torch) returns routes
