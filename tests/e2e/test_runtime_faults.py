@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from e2e_helpers import DEMO, ROOT, TINY, Job, env, metrics, torchrun
+from e2e_helpers import DEMO, ROOT, TINY, Job, env, metrics, ranks, torchrun
 from megatron_cispo.runner import preempt
 from megatron_cispo.runner.checkpoint_files import MARKER, complete
 from megatron_cispo.testing import free_port
@@ -99,7 +99,7 @@ def test_sigterm_finishes_the_step_writes_a_checkpoint_and_resume_runs_to_the_en
                         "to continue, run the same command with run.resume=true"), lines[0]
     assert (ckpt / MARKER).is_file() and sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [ckpt.name]
 
-    resumed = torchrun(2, [*args, "run.resume=true"], timeout=180)
+    resumed = ranks(2, [*args, "run.resume=true"], timeout=180)  # the resume is the subject here, not torchrun
     assert f"resumed from {ckpt}" in resumed.stdout
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, 41))
 
@@ -153,7 +153,7 @@ def test_ctrl_c_and_sighup_finish_the_step_write_a_checkpoint_and_resume_runs_to
         assert lines == [f"[cispo:rollout] stopped by {name} after step {stop}: checkpoint written to {ckpt}; "
                          "to continue, run the same command with run.resume=true"], out[-3000:]
         assert (ckpt / MARKER).is_file()
-    resumed = torchrun(2, [*args, "run.resume=true"], timeout=180)
+    resumed = ranks(2, [*args, "run.resume=true"], timeout=180)  # the resume is the subject here, not torchrun
     assert f"resumed from {ckpt}" in resumed.stdout
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, 41))
 

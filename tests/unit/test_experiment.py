@@ -225,7 +225,8 @@ def test_routing_replay_rollout_is_refused_at_check_on_a_dense_model_and_with_vl
     code = main(["--check", DEMO, "--world-size", "1", "loss.routing_replay=rollout", "parallelism.tp=1"])
     err = capsys.readouterr().err.strip()
     assert code == EXIT_CONFIG and len(err.splitlines()) == 1, err
-    assert "loss.routing_replay='rollout' replays the sampler's MoE routes: the model is dense (no model.num_moe_experts)" in err
+    assert ("loss.routing_replay='rollout' replays the sampler's MoE routes: the model is dense "
+            "(no model.num_moe_experts)") in err
     moe = make_tiny_hf("qwen3_moe", tmp_path / "moe", seed=1)
     vllm = str(ROOT / "yaml_configs" / "vllm_qwen2_tiny.yaml")
     with pytest.raises(ConfigError, match="rollout.engine='vllm' returns none"):
