@@ -33,7 +33,6 @@ import time
 
 from .config import ConfigError
 from .integrations.plugins import PluginImportError, load_plugins
-from .losses import required_inputs
 from .runner.experiment import dump_yaml, load_experiment, resolve_world
 from .runner.rundir import check_run_dir
 
@@ -106,10 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         world = _world_size(args.world_size)
         load_plugins()  # MEGATRON_CISPO_PLUGINS may register the loss the config names
         cfg = load_experiment(args.config, args.overrides)
-        dp = resolve_world(cfg, world)  # load_experiment already ran the loss registry's rules
-        if "ref_logprobs" in required_inputs(cfg.loss):
-            raise ConfigError(f"loss.kl.coef: the demo trains without a reference policy, so kl.coef must "
-                              f"be 0, got {cfg.loss.kl.coef}")
+        dp = resolve_world(cfg, world)  # load_experiment already ran the config's rules
         if args.check:  # what rank 0 would refuse at start-up, said before any rank starts
             check_run_dir(cfg.run.run_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite)
             _check_sources(cfg)

@@ -81,11 +81,9 @@ def check_sources(cfg) -> Optional[Sources]:
     held = open_prompts(cfg, held_out=True) if cfg.data.eval_prompts else None
     if held is not None:
         _held_out(stream, held)
-    longest = stream.max_len + cfg.rollout.max_new_tokens - 1  # tokens the trainer reads of the longest row
-    budget = cfg.parallelism.max_tokens_per_microbatch
-    if budget is not None and budget < longest:
-        raise ValueError(f"parallelism.max_tokens_per_microbatch={budget} is smaller than the longest row "
-                         f"({stream.max_len} prompt + {cfg.rollout.max_new_tokens} new tokens - 1); raise it")
+    new = cfg.rollout.max_new_tokens  # the trainer reads prompt + new - 1 tokens of a row
+    cfg.parallelism.check_row_fits(stream.max_len + new - 1,
+                                   f"the longest row ({stream.max_len} prompt + {new} new - 1)")
     load_reward(cfg.data.reward)
     problem = vllm_missing() or cpu_model_problem(cfg.model.arch, cuda=torch.cuda.is_available())
     if cfg.rollout.sync == "stream":

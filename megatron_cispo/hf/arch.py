@@ -22,6 +22,17 @@ VOCAB_PAD = 128  # the embedding is padded to a multiple of this (any tp dividin
 _MEGATRON_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
+def check_divisible(sizes: dict[str, int], *, by: int, name: str) -> None:
+    """ValueError naming the first of `sizes` (label -> size) that `name`=`by` does not split: the layout
+    rule, said once for config.json's widths (HFArch.check_layout) and the synthetic GPT's keys
+    (runner.model.ModelConfig.check_layout)."""
+    if by < 1:
+        raise ValueError(f"{name} must be >= 1, got {by}")
+    for label, n in sizes.items():
+        if n % by:
+            raise ValueError(f"{label}={n} is not divisible by {name}={by}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class HFArch:
     """What runner/model.py needs to build the model and hf/mapping.py to convert its weights."""
@@ -54,17 +65,14 @@ class HFArch:
 
     def check_layout(self, *, tp: int, ep: int = 1) -> None:
         """ValueError when tp or ep cannot split this model."""
-        for what, n in (("num_attention_heads", self.num_attention_heads),
-                        ("num_key_value_heads", self.num_query_groups),
-                        ("intermediate_size" if self.num_experts is None else "moe_intermediate_size",
-                         self.ffn_hidden_size)):
-            if n % tp:
-                raise ValueError(f"{self.path}/config.json: {what}={n} is not divisible by tp={tp}")
-        if self.padded_vocab_size % tp:
-            raise ValueError(f"tp={tp} does not divide the padded vocabulary {self.padded_vocab_size} "
-                             f"(vocab_size={self.vocab_size} rounded up to a multiple of {VOCAB_PAD})")
-        if self.num_experts is not None and self.num_experts % ep:
-            raise ValueError(f"{self.path}/config.json: num_experts={self.num_experts} is not divisible by ep={ep}")
+        at = f"{self.path}/config.json: "
+        ffn = "intermediate_size" if self.num_experts is None else "moe_intermediate_size"
+        check_divisible({f"{at}num_attention_heads": self.num_attention_heads,
+                         f"{at}num_key_value_heads": self.num_query_groups, f"{at}{ffn}": self.ffn_hidden_size,
+                         f"the padded vocabulary (vocab_size={self.vocab_size} rounded up to a multiple of "
+                         f"{VOCAB_PAD})": self.padded_vocab_size}, by=tp, name="tp")
+        if self.num_experts is not None:
+            check_divisible({f"{at}num_experts": self.num_experts}, by=ep, name="ep")
 
     def transformer_kwargs(self) -> dict:
         """TransformerConfig arguments that define the architecture (parallelism and dtype are the caller's)."""

@@ -56,10 +56,15 @@ def _check_inputs(logprobs: Tensor, advantages: Tensor, others: dict[str, Option
         if t is not None and name not in ("loss_mask", "keep") and not t.is_floating_point():
             raise ValueError(f"{name} must be a floating tensor (fp32), got {t.dtype}")
     check_devices({"logprobs": logprobs, "advantages": advantages, **others}, values=False)
-    m = others["loss_mask"]
-    # A NaN entry is != 0, and a 0.5 one would count its token as fully trained.
+    check_loss_mask(others["loss_mask"])
+
+
+def check_loss_mask(m: Tensor, name: str = "loss_mask") -> None:
+    """ValueError unless `m` is bool or holds only 0 and 1 (the loss's and Rollouts' rule, said once).
+    A NaN entry is != 0, and a 0.5 one would count its token as fully trained. One host sync for a
+    non-bool mask; a meta tensor passes."""
     if m.dtype != torch.bool and m.device.type != "meta" and bool(((m != 0) & (m != 1)).any()):  # host sync
-        raise ValueError(f"loss_mask must be bool or hold only 0 and 1, got a {m.dtype} mask with other values; "
+        raise ValueError(f"{name} must be bool or hold only 0 and 1, got a {m.dtype} mask with other values; "
                          "a fractional weight would count its token as fully trained")
 
 

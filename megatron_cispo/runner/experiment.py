@@ -21,7 +21,7 @@ import yaml
 
 from ..config import ConfigError, LossConfig, apply_overrides, check_field_types, config_field, from_dict, \
     parse_override_value, to_dict
-from ..losses import check_loss_config, get_policy_loss
+from ..losses import check_loss_config, get_policy_loss, required_inputs
 from .data import DataConfig, RolloutConfig, check_data_rollout
 from .model import ModelConfig, hf_shape
 
@@ -56,6 +56,14 @@ class ParallelConfig:
                              "parallelism.max_tokens_per_microbatch")
         if self.sequence_parallel and self.tp < 2:
             raise ValueError(f"parallelism.sequence_parallel needs tp >= 2, got tp={self.tp}")
+
+    def check_row_fits(self, tokens: int, row: str) -> None:
+        """ValueError when one row of `tokens` trainer tokens cannot fit max_tokens_per_microbatch (the
+        rule for the synthetic task's sequences and for the prompt files' longest row, said once)."""
+        budget = self.max_tokens_per_microbatch
+        if budget is not None and budget < tokens:
+            raise ValueError(f"parallelism.max_tokens_per_microbatch={budget} is smaller than {row}, {tokens} "
+                             f"tokens; raise it to at least {tokens}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,6 +190,9 @@ class ExperimentConfig:
             check_loss_config(self.loss)
         except ValueError as e:
             raise ValueError(f"loss: {e}") from None
+        if "ref_logprobs" in required_inputs(self.loss):
+            raise ValueError(f"loss.kl.coef: the demo trains without a reference policy, so kl.coef must "
+                             f"be 0, got {self.loss.kl.coef}")
 
     def _check_routing_replay(self) -> None:
         """loss.routing_replay='rollout' needs an MoE model and rollouts that carry routes (the torch and hf
@@ -199,9 +210,7 @@ class ExperimentConfig:
     def _check_task_geometry(self) -> None:
         """The synthetic task's sequences fit the model and the microbatch token budget."""
         r, p = self.rollout, self.parallelism
-        if p.max_tokens_per_microbatch is not None and p.max_tokens_per_microbatch < r.total_len - 1:
-            raise ValueError(f"parallelism.max_tokens_per_microbatch={p.max_tokens_per_microbatch} is smaller than "
-                             f"one sequence of task {r.task!r} ({r.total_len - 1} tokens)")
+        p.check_row_fits(r.total_len - 1, f"one sequence of task {r.task!r}")
         if self.model.vocab_size < r.vocab_size:
             raise ValueError(f"model.vocab_size={self.model.vocab_size} is too small for task "
                              f"{r.task!r} with base {r.base}: needs >= {r.vocab_size}")

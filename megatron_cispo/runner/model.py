@@ -111,15 +111,14 @@ class ModelConfig:
     def check_layout(self, *, tp: int, pp: int, vp: int | None, cp: int = 1, ep: int = 1,
                      sequence_parallel: bool = False) -> None:
         """Raise ValueError when this model cannot be split over (tp, pp, vp, cp, ep, sequence_parallel)."""
-        if self.hf_path is not None:
+        from ..hf.arch import check_divisible
+
+        if self.hf_path is not None:  # the widths as config.json names them
             self.arch.check_layout(tp=tp, ep=ep)
-        if self.padded_vocab_size % tp:
-            raise ValueError(f"model.vocab_size={self.vocab_size} is not divisible by tp={tp}")
-        if self.num_attention_heads % tp:
-            raise ValueError(f"model.num_attention_heads={self.num_attention_heads} is not divisible by tp={tp}")
-        if self.ffn_size % tp:
-            raise ValueError(f"the MLP width {self.ffn_size} (model.ffn_hidden_size, default 4*hidden) "
-                             f"is not divisible by tp={tp}")
+        else:
+            check_divisible({"model.vocab_size": self.vocab_size,
+                             "model.num_attention_heads": self.num_attention_heads,
+                             "the MLP width (model.ffn_hidden_size, default 4*hidden)": self.ffn_size}, by=tp, name="tp")
         if self.num_layers % (pp * (vp or 1)):
             raise ValueError(f"model.num_layers={self.num_layers} is not divisible by pp*vp={pp}*{vp or 1}")
         if cp < 1:
@@ -131,8 +130,8 @@ class ModelConfig:
             if ep != 1:
                 raise ValueError(f"ep={ep} (expert parallelism) needs an MoE model; set model.num_moe_experts")
             return
-        if ep < 1 or self.num_moe_experts % ep:
-            raise ValueError(f"model.num_moe_experts={self.num_moe_experts} is not divisible by ep={ep}")
+        if self.hf_path is None:  # else config.json's num_experts, checked above
+            check_divisible({"model.num_moe_experts": self.num_moe_experts}, by=ep, name="ep")
         if tp > 1 and not sequence_parallel:
             # MoELayer.forward raises in training without it (megatron-core 0.16.1)
             raise ValueError(f"an MoE model with tp={tp} needs sequence_parallel=True")

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ..config import check_field_types, config_field
 from ..kept_set import KeptSet, check_targets
+from ..losses.compute import check_loss_mask
 from ..vocab_softmax import check_devices
 
 
@@ -110,10 +111,7 @@ class Rollouts:
         """A non-bool mask's values, the lengths against the mask, the trained targets against
         their kept sets: host syncs."""
         n, s = self.tokens.shape[0], self.tokens.shape[1] - 1
-        m = self.loss_mask
-        if m.dtype != torch.bool and bool(((m != 0) & (m != 1)).any()):  # host sync
-            raise ValueError(f"rollouts.loss_mask must be bool or hold only 0 and 1, got a {m.dtype} mask with "
-                             f"other values; a fractional weight would count its token as fully trained")
+        check_loss_mask(self.loss_mask, "rollouts.loss_mask")  # host sync for a non-bool mask
         if self.lengths is not None:
             lengths = self.lengths
             if n and (int(lengths.min()) < 2 or int(lengths.max()) > s + 1):

@@ -24,7 +24,7 @@ import argparse
 import sys
 from pathlib import Path
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+from ..hf.arch import FAMILIES  # the families megatron-core builds from HF: one list
 TASK_SYMBOLS = [str(d) for d in range(10)] + ["<bos>", "<sep>", "+", "<eos>"]  # ids 0..13
 
 

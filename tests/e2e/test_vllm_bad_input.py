@@ -56,6 +56,8 @@ def test_prompt_file_and_reward_problems_are_one_line_each(capsys, model, tmp_pa
         ([f"data.reward={reward_file}:nope"], "nope"),
         (["data.split=test"], "no split 'test' (data.split)"),
         (["rollout.sync_bucket_mb=0"], "rollout.sync_bucket_mb must be finite and > 0, got 0"),
+        (["parallelism.max_tokens_per_microbatch=8"],
+         "parallelism.max_tokens_per_microbatch=8 is smaller than the longest row ("),
         (["rollout.sync=nccl"], "rollout.sync: expected 'stream' | 'disk', got str 'nccl'"),
         (["rollout.mode=async", "rollout.sync=disk"], "rollout.mode='async' pushes weights between generations"),
         ([f"data.eval_prompts={tmp_path}/nope.jsonl"], f"data.eval_prompts={tmp_path}/nope.jsonl: no such file"),

@@ -117,6 +117,9 @@ def test_missing_env_var_names_key_and_variable():
     ("model.seq_length=4", r"model\.seq_length=4 is too short"),
     ("parallelism.tp=3", r"model\.vocab_size=16 is not divisible by tp=3"),
     ("loss.tis.level=token", r"cispo\.anchor='rollout' cannot be combined with tis\.level='token'"),
+    ("parallelism.max_tokens_per_microbatch=4",
+     r"parallelism\.max_tokens_per_microbatch=4 is smaller than one sequence of task 'reverse', \d+ tokens; raise it"),
+    ("loss.kl.coef=0.1", r"loss\.kl\.coef: the demo trains without a reference policy, so kl\.coef must be 0, got 0\.1"),
 ])
 def test_bad_values_fail_with_full_key_path_and_expected_type(override, message):
     with pytest.raises(ConfigError, match=message):

@@ -147,7 +147,7 @@ def test_top1_without_normalised_probabilities_is_accepted(tmp_path):
                                                         "tp=8"),
     ("qwen3_moe", {}, 2, 3, "{d}/config.json: num_experts=4 is not divisible by ep=3"),
     ("llama", dict(heads=6, kv_heads=3, hidden=60, vocab=200), 3, 1,
-     "tp=3 does not divide the padded vocabulary 256 (vocab_size=200 rounded up to a multiple of 128)"),
+     "the padded vocabulary (vocab_size=200 rounded up to a multiple of 128)=256 is not divisible by tp=3"),
 ])
 def test_a_layout_that_cannot_split_the_model_is_refused(tmp_path, family, sizes, tp, ep, expected):
     d = config_dir(tmp_path, family, sizes)

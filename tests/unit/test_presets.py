@@ -354,8 +354,8 @@ def test_yaml_preset_expands_before_validation_and_the_dump_holds_the_resolved_k
     from megatron_cispo.runner.experiment import dump_yaml, load_experiment
     path = tmp_path / "run.yaml"
     path.write_text("loss:\n  preset: {framework: nemo_rl, ratio_clip_min: 1.0, ratio_clip_max: 5.0}\n")
-    cfg = load_experiment(path, ["loss.preset.ratio_clip_max=4.0", "loss.kl.coef=0.01"])
-    assert cfg.loss.cispo.bounds() == (0.0, 5.0) and cfg.loss.kl.coef == 0.01
+    cfg = load_experiment(path, ["loss.preset.ratio_clip_max=4.0", "loss.entropy_coef=0.01"])
+    assert cfg.loss.cispo.bounds() == (0.0, 5.0) and cfg.loss.entropy_coef == 0.01
     dumped = dump_yaml(cfg)
     assert "preset" not in dumped and "eps_high: 4.0" in dumped
     (tmp_path / "dumped.yaml").write_text(dumped)

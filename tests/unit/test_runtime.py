@@ -192,7 +192,7 @@ def test_model_config_rejects_bad_moe_settings(kwargs, message):
     (dict(num_moe_experts=4), dict(tp=2, ep=1), r"an MoE model with tp=2 needs sequence_parallel=True"),
     (dict(), dict(tp=1, sequence_parallel=True), r"sequence_parallel needs tp >= 2"),
     (dict(ffn_hidden_size=30, num_attention_heads=4, vocab_size=64), dict(tp=4),
-     r"MLP width 30 .* is not divisible by tp=4"),
+     r"MLP width \(model\.ffn_hidden_size, default 4\*hidden\)=30 is not divisible by tp=4"),
 ])
 def test_check_layout_rejects_what_megatron_cannot_split(cfg, layout, message):
     with pytest.raises(ValueError, match=message):

@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from ...config import KLConfig, LossConfig, TISConfig
-from ...losses import check_loss_config, get_policy_loss, kl_estimate, log_ratio, per_token_policy_loss
+from ...losses import check_loss_config, get_policy_loss, kl_estimate, log_ratio, per_token_policy_loss, required_inputs
+from ...losses.registry import missing_input_message
 from .settings import loss_config
 
 
@@ -98,10 +99,6 @@ def calculate_grpo_loss(
         if t is not None and tuple(t.shape) != shape:
             raise ValueError(f"calculate_grpo_loss: {name} shape {tuple(t.shape)} does not match "
                              f"current_logprobs shape {shape}")
-    if anchor == "rollout" and inference_logprobs is None:
-        raise ValueError(f"policy_loss={base.policy_loss!r} with anchor='rollout' needs the sampler's "
-                         "logprobs, but inference_logprobs is None; pass --rl-inference-logprobs-is-correction "
-                         "so that train_rl.py hands them to the loss")
     # As in Megatron-LM: the sampler's logprobs turn on IS (token TIS) under the old anchor; under the
     # rollout anchor only an explicit truncation coef asks for TIS, and the registry refuses that.
     tis_cap = None
@@ -115,6 +112,10 @@ def calculate_grpo_loss(
             raise
         raise ValueError(f"calculate_grpo_loss: --rl-importance-sampling-truncation-coef={is_truncation_coef!r} "
                          f"turns on token TIS, but {e}. Drop the flag") from None
+    if inference_logprobs is None and "rollout_logprobs" in required_inputs(cfg):  # the registry's rule
+        raise ValueError(f"calculate_grpo_loss: {missing_input_message(cfg, 'rollout_logprobs')}, but "
+                         "inference_logprobs is None; pass --rl-inference-logprobs-is-correction so that "
+                         "train_rl.py hands them to the loss")
 
     lp = current_logprobs.float()
     entropy = -lp.exp() * lp  # Megatron-LM's term: -p log p of the sampled token
