@@ -12,6 +12,16 @@ from megatron_cispo.runner import preempt
 from megatron_cispo.train import EXIT_INTERRUPTED
 
 
+@pytest.fixture(autouse=True)
+def sighup_as_a_terminal_leaves_it():
+    """SIGHUP at its default, as a shell on a terminal starts a process, whatever the suite was started
+    under: `nohup pytest` (or CI's runner) leaves it ignored, and install() keeps an ignored SIGHUP
+    ignored (tested below), so the SIGHUP cases would not see their handler. The children inherit it."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGHUP, previous)
+
+
 @pytest.mark.parametrize("signum", preempt.SIGNALS)
 def test_each_signal_sets_the_flag_and_rank_0_says_which_in_one_line(signum, capfd, tmp_path):
     previous = {s: signal.getsignal(s) for s in preempt.SIGNALS}
