@@ -125,6 +125,12 @@ def _still_running(run_dir):
     return found
 
 
+def _sighup_default():
+    """SIGHUP at its default in a child, as a shell on a terminal starts it, even when the suite itself
+    runs under nohup (the CLI keeps an ignored SIGHUP ignored, and the test would wait in vain)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def _assert_no_rank_traceback(out):
     assert "[rank0]" not in out and "[rank1]" not in out and "KeyboardInterrupt" not in out, out[-3000:]
 
@@ -218,7 +224,8 @@ def test_sighup_from_a_dropped_terminal_checkpoints_exits_5_and_keeps_the_output
     run_dir = tmp_path / "run"
     master, slave = pty.openpty()
     proc = subprocess.Popen([sys.executable, "-m", "megatron_cispo.train", *_args(run_dir, "run.steps=100000")],
-                            cwd=ROOT, env=env(), stdin=slave, stdout=slave, stderr=slave, start_new_session=True)
+                            cwd=ROOT, env=env(), stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
+                            preexec_fn=_sighup_default)
     os.close(slave)
     try:
         deadline = time.monotonic() + 150
