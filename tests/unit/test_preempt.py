@@ -15,7 +15,7 @@ from megatron_cispo.train import EXIT_INTERRUPTED
 @pytest.fixture(autouse=True)
 def sighup_as_a_terminal_leaves_it():
     """SIGHUP at its default, as a shell on a terminal starts a process, whatever the suite was started
-    under: `nohup pytest` (or CI's runner) leaves it ignored, and install() keeps an ignored SIGHUP
+    under: `nohup pytest` leaves it ignored, and install() keeps an ignored SIGHUP
     ignored (tested below), so the SIGHUP cases would not see their handler. The children inherit it."""
     previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
     yield
