@@ -54,8 +54,6 @@ class ParallelConfig:
         if self.cp > 1 and self.max_tokens_per_microbatch is None:
             raise ValueError(f"parallelism.cp={self.cp} needs packed microbatches: set "
                              "parallelism.max_tokens_per_microbatch")
-        if self.sequence_parallel and self.tp < 2:
-            raise ValueError(f"parallelism.sequence_parallel needs tp >= 2, got tp={self.tp}")
 
     def check_row_fits(self, tokens: int, row: str) -> None:
         """ValueError when one row of `tokens` trainer tokens cannot fit max_tokens_per_microbatch (the

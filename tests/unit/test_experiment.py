@@ -120,10 +120,11 @@ def test_missing_env_var_names_key_and_variable():
     ("parallelism.max_tokens_per_microbatch=4",
      r"parallelism\.max_tokens_per_microbatch=4 is smaller than one sequence of task 'reverse', \d+ tokens; raise it"),
     ("loss.kl.coef=0.1", r"loss\.kl\.coef: the demo trains without a reference policy, so kl\.coef must be 0, got 0\.1"),
+    ("parallelism.tp=1 parallelism.sequence_parallel=true", r"sequence_parallel needs tp >= 2 .*got tp=1"),
 ])
 def test_bad_values_fail_with_full_key_path_and_expected_type(override, message):
     with pytest.raises(ConfigError, match=message):
-        load_experiment(ROOT / "yaml_configs/demo_cpu.yaml", [override], env={})
+        load_experiment(ROOT / "yaml_configs/demo_cpu.yaml", override.split(), env={})
 
 
 def test_unknown_key_in_file_names_its_path(tmp_path):
