@@ -76,7 +76,8 @@ def worker(layout: dict, path: str, bucket_mb: float, disk: bool, tmp: str) -> d
     from megatron_cispo.rollout.weight_stream import hf_namer, stream_buckets
     from megatron_cispo.runner import distributed
     from megatron_cispo.runner.model import ModelConfig, build_model
-    from megatron_cispo.runner.weights import canonical_names, gather_full_state
+    from megatron_cispo.base.param_names import canonical_names
+    from megatron_cispo.runner.weights import gather_full_state
 
     _release_freed_memory()
     torch.set_num_threads(1)

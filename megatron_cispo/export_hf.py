@@ -66,7 +66,8 @@ def _config(path: Path):
 
 def export(run_dir, out, *, step: int | None = None) -> tuple[Path, int]:
     """Write OUT from RUN_DIR's checkpoint; returns (checkpoint, its step). ConfigError for bad input."""
-    from .hf.export import check_out, export_chunks
+    from .hf.export import check_out
+    from .runner.export import export_chunks
     from .runner import checkpoint, distributed
     from .runner.cpu_compat import import_megatron_core
     from .runner.model import build_model

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..runner.weights import canonical_names
+from ..base.param_names import canonical_names
 
 
 class TorchGPT:

@@ -277,8 +277,8 @@ def hf_dir(run_dir, step: int) -> Path:
 
 
 def _export_hf(t: _Trainer, step: int) -> None:
-    """Collective: the model as a Hugging Face directory (hf/export.py); SaveFailed on every rank if not written."""
-    from ..hf.export import export_chunks
+    """Collective: the model as a Hugging Face directory (runner/export.py); SaveFailed on every rank if not written."""
+    from ..runner.export import export_chunks
 
     export_chunks(t.chunks, t.cfg.model.arch, hf_dir(t.cfg.run.run_dir, step), step=step,
                   bucket_bytes=t.cfg.rollout.sync_bucket_bytes)

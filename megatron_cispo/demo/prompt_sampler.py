@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ..hf.export import write_hf_dir
 from ..hf.mapping import to_hf
-from ..runner.weights import canonical_names
+from ..base.param_names import canonical_names
 from .metrics import say
 from .prompt_sources import RolloutFailed, Sources, _pause_for_tests, _seed, eos_ids, open_prompts, rows_to_batch
 from .sampler import Batch, Sampler

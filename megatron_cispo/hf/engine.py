@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..runner.weights import canonical_names
+from ..base.param_names import canonical_names
 from .arch import HFArch
 from .export import write_hf_dir
 from .mapping import to_hf

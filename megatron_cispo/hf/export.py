@@ -7,7 +7,7 @@ The directory holds the source model's config.json (unchanged), its generation c
 files, MARKER (the step, the source, this package's version), and the weights in safetensors: `model.safetensors`, or shards `model-0000k-of-0000n.safetensors`
 with `model.safetensors.index.json` above `max_shard_bytes`, named and indexed as transformers'
 save_pretrained does. It is written into `.<name>.tmp` beside it, every file and the directory
-fsynced, then renamed into place (checkpoint_files.replace_dir), so a reader never sees half of one.
+fsynced, then renamed into place (base/files.py's replace_dir), so a reader never sees half of one.
 Only an earlier export is ever replaced, and never the source directory (check_out).
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..runner import checkpoint_files as files_
+from ..base import files as durable
 from .arch import HFArch
 from .load import INDEX, WEIGHTS  # noqa: F401 - the names this module writes; tests read them here
 
@@ -78,7 +78,7 @@ def write_hf_dir(hf_tensors: dict[str, Tensor], arch: HFArch, out_dir, *, dtype:
                                                    max_shard_size=max_shard_bytes)
         for file, names in split.filename_to_tensors.items():
             save_file({n: tensors[n] for n in names}, str(tmp / file), metadata={"format": "pt"})
-            files_.fsync_path(tmp / file)
+            durable.fsync_path(tmp / file)
         if split.is_sharded:
             _write_index(tmp, split.tensor_to_filename, split.metadata["total_size"],
                          sum(t.numel() for t in tensors.values()))
@@ -88,7 +88,7 @@ def write_hf_dir(hf_tensors: dict[str, Tensor], arch: HFArch, out_dir, *, dtype:
 def _write_index(tmp: Path, weight_map: dict, total_size: int, total_parameters: int) -> None:
     index = {"metadata": {"total_parameters": total_parameters, "total_size": total_size}, "weight_map": weight_map}
     text = json.dumps(index, indent=2, sort_keys=True) + "\n"
-    files_.write_durable(tmp / INDEX, lambda f: f.write(text.encode()))
+    durable.write_durable(tmp / INDEX, lambda f: f.write(text.encode()))
 
 
 def _write_dir(arch: HFArch, out_dir, step, weights) -> Path:
@@ -103,12 +103,12 @@ def _write_dir(arch: HFArch, out_dir, step, weights) -> Path:
     try:
         tmp.mkdir(parents=True)
         for src in copied_files(Path(arch.path)):
-            files_.write_durable(tmp / src.name, lambda f, s=src: f.write(s.read_bytes()))
+            durable.write_durable(tmp / src.name, lambda f, s=src: f.write(s.read_bytes()))
         mark = json.dumps({"megatron_cispo": __version__, "source": str(arch.path), "step": step}, indent=2) + "\n"
-        files_.write_durable(tmp / MARKER, lambda f: f.write(mark.encode()))
+        durable.write_durable(tmp / MARKER, lambda f: f.write(mark.encode()))
         weights(tmp)
-        files_.replace_dir(tmp, out)
-        files_.fsync_path(out.parent)
+        durable.replace_dir(tmp, out)
+        durable.fsync_path(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -134,7 +134,7 @@ def write_hf_stream(tensors, arch: HFArch, out_dir, *, dtype: torch.dtype | None
             if shard:
                 files.append((tmp / f".part-{len(files)}.safetensors", sorted(shard)))
                 save_file(shard, str(files[-1][0]), metadata={"format": "pt"})
-                files_.fsync_path(files[-1][0])
+                durable.fsync_path(files[-1][0])
             shard, size = {}, 0
         for name, t in tensors:
             t = t.detach().to(device="cpu", dtype=dtype).contiguous()
@@ -152,88 +152,5 @@ def write_hf_stream(tensors, arch: HFArch, out_dir, *, dtype: torch.dtype | None
                 part.rename(tmp / final)
                 weight_map.update({n: final for n in names})
             _write_index(tmp, weight_map, total, params)
-        files_.fsync_path(tmp)
+        durable.fsync_path(tmp)
     return _write_dir(arch, out_dir, step, weights)
-
-
-def export_chunks(chunks, arch: HFArch, out_dir, *, dtype: torch.dtype | None = None,
-                  step: int | None = None, bucket_bytes: int = 256 * 2**20) -> Path:
-    """Collective over the world: the model as a Hugging Face directory `out_dir`, written by rank 0;
-    every rank returns after rank 0 is done. A failure on rank 0 raises checkpoint_save.SaveFailed with
-    one line on every rank.
-
-    Dense models are streamed (rollout/weight_stream.py: one sender per stage, buckets of
-    `bucket_bytes`), and rank 0 writes each safetensors shard as it fills (write_hf_stream): no rank
-    holds more than a shard and two buckets beyond the model. MoE models (the stream's schedule has
-    no expert senders yet) gather everything on every rank in fp32 (runner.weights.gather_full_state):
-    fine for tests and small models, a limit for large ones (docs/launch.md, "Exporting")."""
-    import torch.distributed as dist
-
-    from ..runner.checkpoint_save import SaveFailed, first_failure
-
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    if arch.num_experts:
-        error = _export_gathered(chunks, arch, out_dir, dtype, step, rank0)
-    else:
-        error = _export_streamed(chunks, arch, out_dir, dtype, step, rank0, bucket_bytes)
-    failed = first_failure(error)
-    if failed is not None:
-        raise SaveFailed(failed[1])
-    return Path(out_dir)
-
-
-def _failed(out_dir, e: BaseException) -> str:
-    return f"Hugging Face export to {out_dir} not written: {files_.describe_error(e)}"
-
-
-def _export_gathered(chunks, arch, out_dir, dtype, step, rank0: bool) -> str | None:
-    """Collective: gather, rank 0 writes; rank 0's write failure as one line (a failed gather raises)."""
-    from ..runner.weights import gather_full_state
-    from .mapping import to_hf
-
-    full = gather_full_state(chunks)
-    if not rank0:
-        return None
-    try:
-        write_hf_dir(to_hf(full, arch), arch, out_dir, dtype=dtype, step=step)
-    except files_.FAILURES as e:  # noqa: B014 - any failure: every rank must hear of it
-        return _failed(out_dir, e)
-    return None
-
-
-def _export_streamed(chunks, arch, out_dir, dtype, step, rank0: bool, bucket_bytes: int) -> str | None:
-    """Collective: the weight stream, rank 0 writing shard by shard; rank 0's write failure as one line
-    (after the rest of the stream is received: the other senders still send). A failed stream raises."""
-    from ..rollout.weight_receiver import Staging
-    from ..rollout.weight_stream import hf_namer, stream_buckets
-    from .mapping import hf_shapes
-
-    buckets = stream_buckets(chunks, namer=hf_namer(arch), bucket_bytes=bucket_bytes)
-    if not rank0:
-        for _ in buckets:
-            pass
-        return None
-    staging, broken = Staging(hf_shapes(arch)), []
-
-    def complete():
-        while True:
-            try:
-                bucket = next(buckets)
-            except StopIteration:
-                break
-            except files_.FAILURES as e:  # noqa: B014 - the stream itself failed: not a write failure
-                broken.append(e)
-                raise
-            for name in staging.add(bucket.blocks, bucket.data):
-                yield name, staging.pop(name)
-        staging.complete()  # ValueError naming a tensor the stream never finished
-
-    try:
-        write_hf_stream(complete(), arch, out_dir, dtype=dtype, step=step)
-    except files_.FAILURES as e:  # noqa: B014
-        if broken:
-            raise broken[0]
-        for _ in buckets:
-            pass
-        return _failed(out_dir, e)
-    return None

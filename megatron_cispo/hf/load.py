@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..runner.weights import canonical_names, global_param_name, shard_group
+from ..base.param_names import canonical_names, global_param_name, shard_group
 from .arch import HFArch
 from .mapping import ZEROS, Piece, hf_shapes, pieces
 

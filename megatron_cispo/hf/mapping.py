@@ -8,7 +8,7 @@ A megatron tensor is a concatenation along dim 0 of `Piece`s, row blocks of HF t
 rows: vocabulary padding). The fused QKV interleaves per query group [q heads of group g, k_g, v_g];
 the gated fc1 is [gate; up] in full and [gate_r; up_r] on TP rank r; row-parallel weights
 (linear_proj, fc2) are split along dim 1. Global names carry the global layer and expert index
-(runner/weights.global_param_name).
+(base/param_names.global_param_name).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..runner.weights import tp_split_dim
+from ..base.param_names import tp_split_dim
 from .arch import HFArch
 
 ZEROS = ""  # Piece.name of padding rows (vocabulary padding), which HF does not store

@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import Tensor
 
-from ..runner.weights import canonical_names, global_param_name, shard_group, tp_split_dim
+from ..base.param_names import canonical_names, global_param_name, shard_group, tp_split_dim
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 
@@ -168,7 +168,6 @@ def _tensors(chunks, tensors):
 
 def _own_buckets(chunks, namer: Namer, bucket_bytes: int, tensors, buffer=None) -> Iterator[Bucket]:
     """This rank's part of the stream: TP gathers (as sender or peer); buckets only on senders."""
-    import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
     if mpu.get_data_parallel_rank(with_context_parallel=True) != 0:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ConfigError
+from ..base import files as durable
 from . import checkpoint_files as files_
 from . import checkpoint_save
 from .checkpoint_save import SaveFailed  # noqa: F401 - raised by save(), caught as checkpoint.SaveFailed
@@ -259,8 +260,8 @@ def _load_error(path: Path, info: dict, e: BaseException, what: str = "run.resum
     megatron-core versions when another one wrote it."""
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
-    cause = files_.root_cause(e)
-    text = f"{what} from {path}: {files_.describe_error(e)}"
+    cause = durable.root_cause(e)
+    text = f"{what} from {path}: {durable.describe_error(e)}"
     if isinstance(cause, (CheckpointingException, KeyError)) or "size mismatch" in str(cause) \
             or "shape mismatch" in str(cause).lower():
         settings = f" (its settings: {path / files_.CONFIG})" if (path / files_.CONFIG).is_file() else ""
@@ -287,7 +288,7 @@ def load(path: Path, *, chunks, optimizer, shared: dict) -> int:
     try:
         info = files_.read_marker(path)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"run.resume: {path / files_.MARKER}: {files_.describe_error(e)}") from e
+        raise ConfigError(f"run.resume: {path / files_.MARKER}: {durable.describe_error(e)}") from e
     missing = sorted(set(shared) - set(info.get("shared", [])))
     if missing:
         raise ConfigError(f"run.resume: {path} has no {', '.join(missing)} state (it has {info.get('shared')})")
@@ -318,7 +319,7 @@ def load(path: Path, *, chunks, optimizer, shared: dict) -> int:
         try:
             obj.load_state_dict(torch.load(path / f"{name}.pt", map_location="cpu", weights_only=False))
         except Exception as e:  # noqa: BLE001 - name the file, whatever went wrong in it
-            error, cause = f"run.resume: cannot load {path / f'{name}.pt'}: {files_.describe_error(e)}", e
+            error, cause = f"run.resume: cannot load {path / f'{name}.pt'}: {durable.describe_error(e)}", e
             break
     _raise_agreed(error, cause)
     return int(info["step"])
@@ -333,7 +334,7 @@ def load_model(path: Path, *, chunks) -> int:
     try:
         info = files_.read_marker(path)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"{path / files_.MARKER}: {files_.describe_error(e)}") from e
+        raise ConfigError(f"{path / files_.MARKER}: {durable.describe_error(e)}") from e
     common = _common_strategy(path, info)
     error, cause = None, None
     try:

@@ -22,13 +22,9 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
-
+from ..base.files import FAILURES, MarkerError, describe_error, write_durable
 from ..mcore import version_str
 
-# What reading or writing a checkpoint may raise: CheckpointException (every rank's errors, gathered)
-# is a BaseException, so `except Exception` alone lets it through.
-FAILURES = (Exception, CheckpointException)
 MARKER = "COMPLETE"
 CONFIG = "config.yaml"  # the resolved experiment config that trained up to this checkpoint
 FORMAT = "megatron.core.dist_checkpointing/torch_dist"
@@ -71,41 +67,6 @@ def tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
 
 
-def fsync_path(path: Path) -> None:
-    """Flush a file's or a directory's entries to stable storage."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_durable(path: Path, write) -> None:
-    """Write `path` through `write(file)`, then fsync it (the caller renames its directory)."""
-    with open(path, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def replace_dir(tmp: Path, final: Path) -> None:
-    """Put the written directory `tmp` in place of `final` (fsyncs `tmp` first): an existing `final`
-    is renamed to .<name>.old, `tmp` renamed into place, then the old one deleted; if the second
-    rename fails the old one is put back. The caller fsyncs final's parent to make it durable."""
-    fsync_path(tmp)
-    old = final.with_name(f".{final.name}.old")
-    if final.exists():  # a checkpoint of an abandoned history, an earlier export of this step
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    try:
-        os.replace(tmp, final)
-    except BaseException:
-        if old.exists() and not final.exists():
-            os.replace(old, final)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def read_config(directory: Path) -> str | None:
     """The config text saved with a checkpoint, or None (written before checkpoints held one)."""
     path = directory / CONFIG
@@ -114,10 +75,6 @@ def read_config(directory: Path) -> str | None:
 
 def write_marker(directory: Path, info: dict) -> None:
     write_durable(directory / MARKER, lambda f: f.write(json.dumps(info).encode()))
-
-
-class MarkerError(ValueError):
-    """A COMPLETE marker that is empty or names another step."""
 
 
 def read_marker(directory: Path) -> dict:
@@ -168,27 +125,6 @@ def read_common_state(directory: Path) -> dict:
         data.seek(0)
         data = torch.load(data, map_location="cpu", weights_only=False)
     return data[0]  # the shard's list of objects: one
-
-
-def root_cause(e: BaseException) -> BaseException:
-    """The lowest rank's own error inside torch.distributed.checkpoint's CheckpointException (which
-    gathers every rank's and derives from BaseException), else `e`."""
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and failures:
-        return failures[min(failures)][0]
-    return e
-
-
-def describe_error(e: BaseException) -> str:
-    """One line: the exception's type and the first line of its message (a CheckpointException's
-    lowest rank's error; a KeyError's key, without the list of keys that megatron appends)."""
-    e = root_cause(e)
-    text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
-    lines = text.strip().splitlines()
-    if isinstance(e, MarkerError):
-        return lines[0]
-    first = lines[0].split(": [", 1)[0] if lines else ""
-    return f"{type(e).__name__}: {first[:200]}".rstrip(": ")
 
 
 def verify(directory: Path) -> str | None:

@@ -22,9 +22,10 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from ..base import files as durable
 from . import checkpoint_files as files_
 
-FAILURES = files_.FAILURES
+FAILURES = durable.FAILURES
 
 
 class SaveFailed(RuntimeError):
@@ -49,7 +50,7 @@ def _attempt(parts: list[tuple[Path | None, Callable[[], None]]]) -> str | None:
         try:
             fn()
         except FAILURES as e:  # noqa: B014 - CheckpointException is a BaseException
-            said = files_.describe_error(e)
+            said = durable.describe_error(e)
             return said if path is None or str(path) in said else f"{path}: {said}"
     return None
 
@@ -107,7 +108,7 @@ def _write_shards(sharded: dict, directory: Path) -> None:
 
 def write_common_pt(common: dict, directory: Path) -> None:
     """Rank 0: megatron-core 0.16-0.18's common.pt (what their save_common writes), fsynced."""
-    files_.write_durable(directory / files_.COMMON, lambda f: torch.save(common, f))
+    durable.write_durable(directory / files_.COMMON, lambda f: torch.save(common, f))
 
 
 def write(run_dir, step: int, sharded_state_dict: dict, *, extra: dict, marker: dict, keep: int) -> Path:
@@ -133,10 +134,10 @@ def write(run_dir, step: int, sharded_state_dict: dict, *, extra: dict, marker: 
     _part([(None, lambda: _write_shards(sharded, tmp))], run_dir, step, on_every_rank=True)
     metadata = tmp / "metadata.json"  # the format's name; shards and common.pt are fsynced by their writers
     own += [(metadata, lambda: dist_core.save_config(dist_core.CheckpointingConfig("torch_dist", 1), str(tmp))),
-            (metadata, lambda: files_.fsync_path(metadata))]
-    own += [(tmp / name, lambda p=tmp / name, fn=fn: files_.write_durable(p, fn)) for name, fn in extra.items()]
+            (metadata, lambda: durable.fsync_path(metadata))]
+    own += [(tmp / name, lambda p=tmp / name, fn=fn: durable.write_durable(p, fn)) for name, fn in extra.items()]
     own += [(tmp / files_.MARKER, lambda: files_.write_marker(tmp, marker)),
-            (final, lambda: files_.replace_dir(tmp, final))]
+            (final, lambda: durable.replace_dir(tmp, final))]
     _part(own, run_dir, step)
     if dist.get_rank() == 0:
         _tidy(run_dir, final, keep)
@@ -147,11 +148,11 @@ def _tidy(run_dir, final: Path, keep: int) -> None:
     """Rank 0, after the rename: make it durable and prune; a failure here is a warning, never a lost
     checkpoint (the checkpoint is in place and complete)."""
     try:
-        files_.fsync_path(final.parent)
+        durable.fsync_path(final.parent)
         files_.prune(run_dir, keep=keep, newest=final)
     except FAILURES as e:  # noqa: B014
         try:
             print(f"warning: checkpoint {final} is written, but tidying {files_.root(run_dir)} failed "
-                  f"({files_.describe_error(e)}); older checkpoints may be left", file=sys.stderr, flush=True)
+                  f"({durable.describe_error(e)}); older checkpoints may be left", file=sys.stderr, flush=True)
         except OSError:
             pass

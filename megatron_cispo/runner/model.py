@@ -80,6 +80,7 @@ class ModelConfig:
         from ..hf.arch import read_arch
 
         arch = read_arch(self.hf_path)
+        object.__setattr__(self, "_arch", arch)  # read once here; `arch` hands this one down
         for name, value in hf_shape(arch).items():
             mine, default = getattr(self, name), _DEFAULTS[name]
             if mine != default and mine != value:
@@ -92,12 +93,9 @@ class ModelConfig:
 
     @property
     def arch(self):
-        """The Hugging Face architecture (hf.arch.HFArch) of model.hf_path; None for the synthetic GPT."""
-        if self.hf_path is None:
-            return None
-        from ..hf.arch import read_arch
-
-        return read_arch(self.hf_path)
+        """The Hugging Face architecture (hf.arch.HFArch) of model.hf_path, as config.json read when this config
+        was made; None for the synthetic GPT."""
+        return getattr(self, "_arch", None)
 
     @property
     def padded_vocab_size(self) -> int:

@@ -34,10 +34,11 @@ def _inject(where, error):
     from megatron.core.dist_checkpointing import core
     from torch.distributed.checkpoint import FileSystemWriter
 
+    from megatron_cispo.base import files
     from megatron_cispo.runner import checkpoint_files, checkpoint_save
 
     owner, name = {"shard": (FileSystemWriter, "write_data"), "common": (checkpoint_save, "write_common_pt"),
-                   "metadata": (core, "save_config"), "durable": (checkpoint_files, "write_durable"),
+                   "metadata": (core, "save_config"), "durable": (files, "write_durable"),
                    "prune": (checkpoint_files, "prune")}[where]
     original = owner.__dict__.get(name)  # a class may inherit it (FileSystemWriter.write_data)
 

@@ -75,7 +75,7 @@ def worker(layout: dict, path: str):
     from megatron_cispo.hf.load import tensor_index
     from megatron_cispo.runner import distributed
     from megatron_cispo.runner.model import ModelConfig, build_model
-    from megatron_cispo.runner.weights import global_param_name
+    from megatron_cispo.base.param_names import global_param_name
 
     tp, pp, ep = (layout.get(k, 1) for k in ("tp", "pp", "ep"))
     distributed.init_distributed(tp=tp, pp=pp, ep=ep)

@@ -92,7 +92,7 @@ def test_sharded_export_has_an_index_that_transformers_loads(source, tmp_path):
 
 
 def test_a_streamed_export_is_the_same_model_in_the_same_shards(source, tmp_path):
-    """Sharded; the one-file case is every end-to-end export's (hf/export.export_chunks streams)."""
+    """Sharded; the one-file case is every end-to-end export's (runner/export.export_chunks streams)."""
     max_shard_bytes = 100_000
     arch = read_arch(source)
     hf = _tensors(source)
