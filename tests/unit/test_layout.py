@@ -12,6 +12,7 @@ load megatron-core or touch torch.cuda, and its public names are exactly the doc
 from __future__ import annotations
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -35,6 +36,7 @@ FLOOR = {**{name: 0 for name in LIBRARY}, "base": 1, "hf": 2, "rollout": 3, "run
          "train": 6, "testing": 6, "tools": 6, "export_hf": 6}
 TOP = max(FLOOR.values())
 NAMES = {0: "library", 1: "base", 2: "hf", 3: "rollout", 4: "runner", 5: "demo", 6: "train/testing"}
+DOC = PKG.parent / "docs" / "architecture.md"
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -141,7 +143,8 @@ def test_import_megatron_cispo_loads_no_megatron_core_and_never_touches_cuda():
         for name in megatron_cispo.__all__:   # resolving every public name imports the whole library
             getattr(megatron_cispo, name)
         assert "megatron.core" not in sys.modules, "a library import loaded megatron.core"
-        assert not any(m.startswith(("megatron_cispo.runner", "megatron_cispo.demo")) for m in sys.modules)
+        above = ("base", "hf", "rollout", "runner", "demo")
+        assert not any(m.startswith(tuple(f"megatron_cispo.{p}" for p in above)) for m in sys.modules)
         assert torch.overrides._get_current_function_mode_stack() == [], "a TorchFunctionMode is active"
         assert touched == [], f"torch.cuda touched: {touched}"
         print("ok")
@@ -160,3 +163,56 @@ def test_public_names_are_listed_resolvable_and_documented_in_one_place():
     assert "init_distributed" not in megatron_cispo.__all__ and "CpuCompat" not in megatron_cispo.__all__
     with pytest.raises(AttributeError):
         megatron_cispo.init_distributed  # noqa: B018 - the CPU layer is the runner's, not the library's
+
+
+def map_problems(root: Path = PKG, doc: str | None = None) -> list[str]:
+    """docs/architecture.md's module map against the package: every module (a subpackage's __init__.py
+    aside) named in its folder's row or a row of its own, and every .py name there one that exists.
+    A folder row's `name.py` is relative to the folder; one that names a module elsewhere
+    (`rollout/async_feed.py` in the demo row) is a cross-reference."""
+    doc = DOC.read_text() if doc is None else doc
+    section = doc.split("## The module map", 1)[1].split("\n## ", 1)[0]
+    modules = {str(p.relative_to(root)) for p in root.rglob("*.py")
+               if p.name != "__init__.py" or p.parent == root}
+    named, problems = set(), []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or cells[0] in ("floor", "---", "example"):
+            continue
+        row = cells[1].strip("`")
+        if not row.endswith("/"):
+            named.add(row)
+            continue
+        for name in re.findall(r"`([\w/]+\.py)`", cells[2]):
+            if row + name in modules:
+                named.add(row + name)
+            elif name not in modules:
+                problems.append(f"the {row} row names {name}, which is not a module")
+    problems += [f"{m} is not in the module map" for m in sorted(modules - named)]
+    problems += [f"the map names {m}, which is not a module" for m in sorted(named - modules)]
+    return problems
+
+
+def test_the_module_map_names_every_module_and_only_modules():
+    assert map_problems() == []
+
+
+def test_a_module_added_without_a_line_in_the_map_is_reported(tmp_path):
+    root = tmp_path / "megatron_cispo"
+    shutil.copytree(PKG, root, ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "step" / "new_part.py").write_text('"""planted"""\n')
+    (root / "hf" / "load.py").unlink()
+    assert map_problems(root) == ["the hf/ row names load.py, which is not a module",
+                                  "step/new_part.py is not in the module map"]
+
+
+def _groups(line: str) -> list[set[str]]:
+    return [set(group.split(", ")) for group in line.split(" < ")]
+
+
+def test_the_import_order_the_doc_states_is_the_one_enforced_here():
+    text = DOC.read_text()
+    floors, library = (re.search(rf"^{key}:\s+(.+)$", text, re.M) for key in ("floors", "library"))
+    assert floors and library, "docs/architecture.md's import rule lost its 'floors:' or 'library:' line"
+    assert _groups(floors[1]) == [{"library"}] + [{p for p, f in FLOOR.items() if f == i} for i in range(1, TOP + 1)]
+    assert _groups(library[1]) == [{p for p, o in ORDER.items() if o == i} for i in range(max(ORDER.values()) + 1)]
