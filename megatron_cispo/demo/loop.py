@@ -298,7 +298,8 @@ def _step(t: _Trainer, step: int):
     # One minibatch per step, so this is the contiguous split of the batch over DP.
     shard = Rollouts(**batch.rollout_fields()).dp_shard(dp_rank=t.dp_rank, dp=t.dp, minibatches=1)
     local = Rollouts(**{k: v.to(t.env.device) for k, v in shard.select(slice(None)).items()})
-    metrics = policy_step(t.chunks, t.optimizer, local, t.cfg.loss, t.step_cfg, vocab_size=t.cfg.model.vocab_size)
+    metrics = policy_step(t.chunks, t.optimizer, local, t.cfg.loss, t.step_cfg, vocab_size=t.cfg.model.vocab_size,
+                          pg_collection=t.env.groups)
     t.sampler.push(step + 1, t.chunks)  # the explicit weight sync (rollout.sync)
     return batch, metrics, lr
 

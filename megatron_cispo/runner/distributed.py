@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from .consistency import check_same_config
 from ..mcore import require_names
+from ..step.groups import default_groups
 from .cpu_compat import CpuCompat, import_megatron_core
 from .peers import health_group
 
@@ -40,6 +41,7 @@ class DistEnv:
     compat: CpuCompat
     timeout_s: float  # every process group's timeout (run.dist_timeout_s)
     health: object | None  # gloo: the group peers.explain_lost_peer uses; None on NCCL
+    groups: object  # megatron-core's ProcessGroupCollection of the groups above: what the step is handed
 
 
 _ENV: DistEnv | None = None
@@ -124,12 +126,13 @@ def init_distributed(
             expert_model_parallel_size=ep,
             distributed_timeout_minutes=timeout_s / 60)  # megatron makes a timedelta of it
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        groups = default_groups()  # megatron's groups, now up, as the step's pg_collection
     except BaseException:
         compat.__exit__(None, None, None)
         raise
     _ENV = DistEnv(rank=rank, world_size=world, local_rank=local_rank, backend=backend,
                    device=device, tp=tp, pp=pp, dp=world // (tp * pp * cp), cp=cp, ep=ep, vp=vp,
-                   compat=compat, timeout_s=timeout_s, health=health)
+                   compat=compat, timeout_s=timeout_s, health=health, groups=groups)
     return _ENV
 
 

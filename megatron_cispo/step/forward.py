@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ..config import LossConfig
 from ..losses.token_grad import chunk_coef_fn, chunk_local, fused_grad_fallback, microbatch_loss, rows_loss
-from ..vocab_softmax import resolve_group
+from .groups import default_groups, rank, size
 from .hooks import check_megatron_config
 from .head import forward_with_head, head_fused_grad, head_logprobs, unwrap
 from .microbatch import Microbatch, as_microbatch
@@ -35,7 +35,7 @@ from .routing_replay import replay_routes
 from .rollouts import Rollouts, StepConfig
 
 
-def forward_step_for(loss_func, calls: Optional[list] = None, head: str = "logits", moe=None):
+def forward_step_for(loss_func, calls: Optional[list] = None, head: str = "logits", moe=None, pg_collection=None):
     """forward_step(data_iterator, model) that runs the model on a Microbatch (step.microbatch)
     and hands `loss_func(mb, output)` to the schedule; `calls` gets one entry per model forward.
 
@@ -45,7 +45,10 @@ def forward_step_for(loss_func, calls: Optional[list] = None, head: str = "logit
     output layer is bypassed for this forward (head.forward_with_head); the model returns the
     hidden states and the microbatch given to loss_func carries the FusedHead. An MoE model runs
     an all-padding bin without its aux loss (step.moe.no_aux_loss_without_tokens). moe: a
-    step.moe.RouterStats, told which microbatch the routers' records belong to."""
+    step.moe.RouterStats, told which microbatch the routers' records belong to. pg_collection: the
+    model's process groups (step/groups.py; default megatron's), for the routes' TP slice."""
+    pg = default_groups(pg_collection)
+
     def forward_step(data_iterator, model):
         mb = as_microbatch(next(data_iterator))
         if calls is not None:
@@ -61,7 +64,7 @@ def forward_step_for(loss_func, calls: Optional[list] = None, head: str = "logit
             moe.start(mb.n_seqs, model)
         # replay_routes: the sampler's MoE routes for this forward (loss.routing_replay), taken back after
         with no_aux_loss_without_tokens(getattr(unwrap(model)[0], "config", None), mb.n_seqs), \
-                replay_routes(model, mb):
+                replay_routes(model, mb, pg):
             output, fused = forward_with_head(model, head, mb.input_ids, mb.position_ids, None, **kwargs)
         if fused is not None:
             mb = dataclasses.replace(mb, fused=fused)
@@ -82,24 +85,14 @@ def _segment_sum(seq_index: Tensor, n_seqs: int, cp_group):
     return seq_sum
 
 
-def _say_once(message: str) -> None:
+def _say_once(message: str, pg) -> None:
     """A warning from one process of the last stage (TP, DP and CP rank 0), not once per rank."""
-    from megatron.core import parallel_state as mpu
-
-    first = (not dist.is_initialized() or not mpu.model_parallel_is_initialized()
-             or (mpu.get_tensor_model_parallel_rank() == 0
-                 and mpu.get_data_parallel_rank(with_context_parallel=True) == 0))
-    if first:
+    if rank(pg.tp) == 0 and rank(pg.dp_cp) == 0:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def _cp_group(cp_group):
-    """The explicit CP group, else megatron's; None when it has one rank."""
-    return resolve_group(cp_group, "get_context_parallel_group")[0]
-
-
 def make_loss_func(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_size: Optional[int] = None,
-                   old_from_current: bool = False, entropy: bool = True, cp_group=None):
+                   old_from_current: bool = False, entropy: bool = True, cp_group=None, pg_collection=None):
     """loss_func(microbatch, logits) -> (loss_sum, num_tokens int, Metrics), megatron's 3-tuple.
 
     microbatch: a step.microbatch.Microbatch, or a dict of its fields (targets, loss_mask,
@@ -118,8 +111,12 @@ def make_loss_func(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_size
     reason, or when the forward found no output layer to fuse (mb.fused None: the logits head ran),
     the microbatch runs the other head (head/fused_grad_fallback = 1, logged once).
     Needs calculate_per_token_loss=True. Collectives: token_logprobs' two TP all-reduces, and one
-    CP all-reduce per sequence-level quantity (sequence TIS) when cp > 1.
+    CP all-reduce per sequence-level quantity (sequence TIS) when cp > 1. pg_collection: the model's
+    process groups (step/groups.py; default megatron's); cp_group, if given, is the CP group instead.
     """
+    pg = default_groups(pg_collection)
+    cp = pg.cp if cp_group is None else cp_group
+    cp = cp if size(cp) > 1 else None
     want_entropy = entropy or loss_cfg.entropy_coef != 0
     fused_grad = loss_cfg.head == "fused_grad"
     logged: list = []
@@ -130,7 +127,7 @@ def make_loss_func(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_size
             raise ValueError(f"a microbatch with agg_weight needs seq_index and n_seqs (sequence sums), got "
                              f"seq_index={'None' if mb.seq_index is None else 'a tensor'}, n_seqs={mb.n_seqs}; "
                              "build it with step.packing.microbatches, or leave out the normalisation fields")
-        group = _cp_group(cp_group) if mb.agg_weight is not None else None
+        group = cp if mb.agg_weight is not None else None
 
         given = dict(advantages=mb.advantages, loss_mask=mb.loss_mask, old_logprobs=mb.old_logprobs,
                      rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs,
@@ -160,10 +157,10 @@ def make_loss_func(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_size
                 coef_fn = chunk_coef_fn(lambda lp, ent: loss_of(lp, ent, local)[0], shape, device=dev,
                                         entropy=want_entropy, entropy_grad=eg)
             lp, ent, z = head_fused_grad(mb, output, coef_fn, temperature=temperature, vocab_size=vocab_size,
-                                         entropy=want_entropy, head_fp32=loss_cfg.head_fp32)
+                                         entropy=want_entropy, head_fp32=loss_cfg.head_fp32, tp_group=pg.tp)
         else:
             out = head_logprobs(mb, output, temperature=temperature, vocab_size=vocab_size, entropy=want_entropy,
-                                head_fp32=loss_cfg.head_fp32)
+                                head_fp32=loss_cfg.head_fp32, tp_group=pg.tp)
             lp, ent = out if want_entropy else (out, None)
         loss, denominator, m = loss_of(lp, ent, seq_sum)
         if fused_grad:
@@ -172,7 +169,7 @@ def make_loss_func(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_size
             if fell_back is not None and not logged:
                 logged.append(fell_back)
                 _say_once(f"loss.head=fused_grad falls back to '{'fused' if mb.fused is not None else 'logits'}': "
-                          f"{fell_back}")
+                          f"{fell_back}", pg)
         if z is not None:
             loss = loss.detach() + z  # the value of the ordinary loss, the gradient of the op
         num_tokens = mb.num_tokens if denominator is None else denominator.round().to(torch.int)
@@ -182,16 +179,19 @@ def make_loss_func(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_size
 
 
 def make_forward_step(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_size: Optional[int] = None,
-                      old_from_current: bool = False, entropy: bool = True, calls: Optional[list] = None):
+                      old_from_current: bool = False, entropy: bool = True, calls: Optional[list] = None,
+                      pg_collection=None):
     """forward_step(data_iterator, model) for megatron-core's schedules: the whole loss plugin.
 
     The iterator yields Microbatches (step.microbatch); loss_func is `make_loss_func`'s. The first
     call checks the model config (check_megatron_config: per-token loss and the loop's hooks).
-    `calls`, if given, gets one entry per model forward (for tests and benchmarks).
+    `calls`, if given, gets one entry per model forward (for tests and benchmarks). pg_collection:
+    the model's process groups (step/groups.py; default megatron's).
     """
+    pg = default_groups(pg_collection)
     loss_func = make_loss_func(loss_cfg, temperature=temperature, vocab_size=vocab_size,
-                               old_from_current=old_from_current, entropy=entropy)
-    step = forward_step_for(loss_func, calls, head=loss_cfg.head)
+                               old_from_current=old_from_current, entropy=entropy, pg_collection=pg)
+    step = forward_step_for(loss_func, calls, head=loss_cfg.head, pg_collection=pg)
     checked: list = []
 
     def forward_step(data_iterator, model):
@@ -217,24 +217,24 @@ def run_schedule(chunks, forward_step, microbatches: list, *, forward_only: bool
 
 @torch.no_grad()
 def compute_logprobs(chunks, batch: Rollouts, step_cfg: StepConfig, *, vocab_size: Optional[int] = None,
-                     calls: Optional[list] = None, head: str = "logits", head_fp32: bool = False) -> Tensor:
+                     calls: Optional[list] = None, head: str = "logits", head_fp32: bool = False,
+                     pg_collection=None) -> Tensor:
     """Forward-only pass through the schedule, packed or padded as step_cfg says; [n, s] fp32
     logprobs of `batch`'s targets (0 on padding and untrained targets), on every PP and CP rank.
     head="fused_grad" scores with the plain fused head here: a forward-only pass needs no gradient.
-    Collectives: the schedule's, a MAX over DP (bin count), a SUM over CP, a broadcast over PP."""
-    from megatron.core import parallel_state as mpu
-
+    Collectives: the schedule's, a MAX over DP (bin count), a SUM over CP, a broadcast over PP.
+    pg_collection: the model's process groups (step/groups.py; default megatron's)."""
+    pg = default_groups(pg_collection)
     temperature = step_cfg.temperature
     shape = (batch.tokens.shape[0], batch.tokens.shape[1] - 1)
-    microbatches = build_microbatches(batch, None, step_cfg, step_layout(chunks, step_cfg),
-                                      mpu.get_data_parallel_group())
+    microbatches = build_microbatches(batch, None, step_cfg, step_layout(chunks, step_cfg, pg), pg.dp)
     def loss_func(mb, output):
         lp = head_logprobs(mb, output, temperature=temperature, vocab_size=vocab_size, entropy=False,
-                           head_fp32=head_fp32)
+                           head_fp32=head_fp32, tp_group=pg.tp)
         return lp.sum(), torch.zeros((), dtype=torch.int, device=lp.device), \
             {"logprobs": lp.detach(), "gather_index": mb.gather_index}
 
-    forward_step = forward_step_for(loss_func, calls, head=head)
+    forward_step = forward_step_for(loss_func, calls, head=head, pg_collection=pg)
     modes = [c.training for c in chunks]
     for c in chunks:
         c.eval()
@@ -245,13 +245,12 @@ def compute_logprobs(chunks, batch: Rollouts, step_cfg: StepConfig, *, vocab_siz
             c.train(mode)
     device = microbatches[0].input_ids.device
     full = None
-    if is_last_stage():
+    if is_last_stage(pg):
         full = torch.zeros(shape[0] * shape[1], dtype=torch.float32, device=device)
         for r in reports:
             idx, lp = r["gather_index"].reshape(-1), r["logprobs"].reshape(-1)
             full[idx[idx >= 0]] = lp[idx >= 0]
-        group = _cp_group(None)
-        if group is not None:  # each CP rank scored its own chunks of every sequence
-            dist.all_reduce(full, group=group)
+        if size(pg.cp) > 1:  # each CP rank scored its own chunks of every sequence
+            dist.all_reduce(full, group=pg.cp)
         full = full.view(shape)
-    return broadcast_tensor_from_last_stage(full, shape, device=device)
+    return broadcast_tensor_from_last_stage(full, shape, pg, device=device)

@@ -142,22 +142,23 @@ def score_output(output: Tensor, fused: Optional[FusedHead], targets: Tensor, *,
 
 
 def head_logprobs(mb, output: Tensor, *, temperature: float, vocab_size: Optional[int], entropy: bool,
-                  head_fp32: bool = False):
+                  head_fp32: bool = False, tp_group=None):
     """score_output for a step.microbatch.Microbatch: its targets, its untrained positions masked
-    (so pad ids are never range-checked or scored), its kept sets, its fused head if any."""
+    (so pad ids are never range-checked or scored), its kept sets, its fused head if any.
+    tp_group: the output layer's TP group (None: megatron's)."""
     return score_output(output, mb.fused, mb.targets, temperature=temperature, vocab_size=vocab_size,
                         entropy=entropy, mask=mb.loss_mask != 0,  # Megatron's loss masks are often float
-                        head_fp32=head_fp32, keep=mb.kept_set)
+                        head_fp32=head_fp32, keep=mb.kept_set, tp_group=tp_group)
 
 
 def head_fused_grad(mb, output: Tensor, coef_fn, *, temperature: float, vocab_size: Optional[int], entropy: bool,
-                    head_fp32: bool = False):
+                    head_fp32: bool = False, tp_group=None):
     """loss.head=fused_grad on a Microbatch scored by a fused head (mb.fused): fused_grad_logprobs
     with coef_fn (losses.token_grad.chunk_coef_fn) over the hidden states [b, s(/tp), h]. Returns
     (lp [b, s] fp32, ent [b, s] fp32 or None, both without graph; z, 0-d with value 0, whose
     backward puts the loss's gradient into the hidden states and the output weight)."""
     lp, ent, z = fused_grad_logprobs(
-        output.transpose(0, 1), mb.fused.weight, mb.targets.t(), coef_fn,
+        output.transpose(0, 1), mb.fused.weight, mb.targets.t(), coef_fn, tp_group=tp_group,
         sequence_parallel=mb.fused.sequence_parallel, temperature=temperature, return_entropy=entropy,
         vocab_size=vocab_size, mask=(mb.loss_mask != 0).t(), head_dtype=_head_dtype(output, mb.fused, head_fp32))
     return lp.t(), (None if ent is None else ent.t()), z

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .groups import default_groups
 from .reduce import all_reduce_in
 
 # The newest release read: main d98e8a64dd (0.20.0 in development) reads as 0.19.0 too, but a
@@ -148,7 +149,7 @@ def _aux_loss_coeff(config) -> float:
 class RouterStats:
     """The moe/ metrics of one policy step, from what megatron-core's routers computed.
 
-        stats = RouterStats.of(chunks)       # None for a dense model
+        stats = RouterStats.of(chunks, pg)   # None for a dense model; pg: step/groups.py
         with stats:                          # around the training schedules
             run_schedule(...)                # forward_step calls stats.start(n_seqs, model) first
         metrics.update(stats.reduce())       # every rank; collectives over TP x CP, PP and DP
@@ -160,8 +161,8 @@ class RouterStats:
     only (the router computes neither loss in eval or no-grad passes).
     """
 
-    def __init__(self, routers: list, config, device: torch.device):
-        self.routers, self.config, self.device = routers, config, device  # routers: this rank's, maybe none
+    def __init__(self, routers: list, config, device: torch.device, pg):
+        self.routers, self.config, self.device, self.pg = routers, config, device, pg  # routers: this rank's, maybe none
         self.layers = config.num_layers + (config.mtp_num_layers or 0)
         self.rows: list[Tensor] = []  # per live microbatch: [3, L] aux, z * tokens, tokens
         self.seen: dict[int, int] = {}  # id(model chunk) -> live microbatches it has run
@@ -169,7 +170,7 @@ class RouterStats:
         self.live, self.row, self.hooks, self.valid = False, None, [], {}  # valid: layer -> [tokens] bool
 
     @classmethod
-    def of(cls, chunks) -> Optional["RouterStats"]:
+    def of(cls, chunks, pg_collection=None) -> Optional["RouterStats"]:
         from megatron.core.transformer.moe.router import TopKRouter
         from megatron.core.utils import get_model_config
 
@@ -179,7 +180,7 @@ class RouterStats:
         # Decided by the config, the same on every rank: a PP stage of dense layers (moe_layer_freq)
         # has no router but must still join reduce()'s collectives, or the other stages hang there.
         routers = [m for c in chunks for m in c.modules() if isinstance(m, TopKRouter)]
-        return cls(routers, config, next(chunks[0].parameters()).device)
+        return cls(routers, config, next(chunks[0].parameters()).device, default_groups(pg_collection))
 
     def start(self, n_seqs: Optional[int], chunk=None) -> None:
         """A microbatch of n_seqs sequences begins on model chunk `chunk` (an all-padding bin, n_seqs
@@ -251,19 +252,17 @@ class RouterStats:
         tokens routed to the busiest / idlest expert, summed over every training forward of the step
         (each epoch counts the batch again), per layer, then max / min over MoE layers.
         Collectives: SUM over TP x CP, PP, then DP (one fp64 buffer each); one host sync."""
-        from megatron.core import parallel_state as mpu
-
         m = len(self.rows)
         rows = torch.stack(self.rows) if m else torch.zeros(0, 3, self.layers, dtype=torch.float64,
                                                               device=self.device)
         buf = torch.cat([rows.reshape(-1), self.counts.reshape(-1)])
-        for group in (mpu.get_tensor_and_context_parallel_group(), mpu.get_pipeline_model_parallel_group()):
+        for group in (self.pg.tp_cp, self.pg.pp):
             all_reduce_in(buf, dist.ReduceOp.SUM, group)  # every rank of these holds the same microbatches
         rows, counts = buf[:rows.numel()].view(m, 3, self.layers), buf[rows.numel():].view(self.counts.shape)
         z = torch.where(rows[:, 2] > 0, rows[:, 1] / rows[:, 2].clamp(min=1), 0.0)
         per_layer = torch.cat([rows[:, 0].sum(0), z.sum(0), torch.tensor([m], dtype=torch.float64,
                                                                            device=self.device), counts.reshape(-1)])
-        all_reduce_in(per_layer, dist.ReduceOp.SUM, mpu.get_data_parallel_group())
+        all_reduce_in(per_layer, dist.ReduceOp.SUM, self.pg.dp)
         aux, z, total, counts = per_layer[:self.layers], per_layer[self.layers:2 * self.layers], \
             per_layer[2 * self.layers], per_layer[2 * self.layers + 1:].view(self.counts.shape)
         moe = counts.sum(1) > 0  # the MoE layers (a dense layer routes nothing)

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from ..config import LossConfig
 from ..losses import token_weights, valid_tokens
+from .groups import default_groups, rank, size
 from .head import unwrap
 from .microbatch import Microbatch
 from .reduce import all_reduce_in
@@ -215,17 +216,17 @@ def padded_microbatches(batch: Rollouts, weights: tuple[Tensor, Tensor], *, micr
     return out
 
 
-def step_layout(chunks, step_cfg: StepConfig) -> Layout:
+def step_layout(chunks, step_cfg: StepConfig, pg_collection=None) -> Layout:
     """This rank's CP chunking, the padding that CP and sequence parallelism need, fixed bin
-    shapes under pipeline parallelism, and whether the model routes tokens (MoE)."""
-    from megatron.core import parallel_state as mpu
+    shapes under pipeline parallelism, and whether the model routes tokens (MoE). pg_collection:
+    the model's process groups (step/groups.py; default megatron's)."""
     from megatron.core.utils import get_model_config
 
+    pg = default_groups(pg_collection)
     cfg = get_model_config(chunks[0])
-    cp, tp = mpu.get_context_parallel_world_size(), mpu.get_tensor_model_parallel_world_size()
+    cp, tp = size(pg.cp), size(pg.tp)
     multiple = (2 * cp if cp > 1 else 1) * (tp if cfg.sequence_parallel else 1)
-    return Layout(cp=cp, cp_rank=mpu.get_context_parallel_rank(), pad_multiple=multiple,
-                  uniform=mpu.get_pipeline_model_parallel_world_size() > 1,
+    return Layout(cp=cp, cp_rank=rank(pg.cp), pad_multiple=multiple, uniform=size(pg.pp) > 1,
                   padding_mask=getattr(cfg, "num_moe_experts", None) is not None,
                   vocab=getattr(unwrap(chunks[0])[0], "vocab_size", None))
 

@@ -2,6 +2,7 @@
 
 Only the last PP stage computes logits and losses. Forward-only results (old/ref logprobs)
 and reduced metrics are broadcast from it over the PP group so every rank holds them.
+`pg`: the step's process groups (step/groups.py).
 """
 from __future__ import annotations
 
@@ -9,37 +10,26 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .groups import is_last_stage, last_rank, size
 
-def is_last_stage() -> bool:
-    from megatron.core import parallel_state as mpu
-
-    return mpu.is_pipeline_last_stage(ignore_virtual=True)
+__all__ = ["broadcast_object_from_last_stage", "broadcast_tensor_from_last_stage", "is_last_stage"]
 
 
-def _pp():
-    from megatron.core import parallel_state as mpu
-
-    return (mpu.get_pipeline_model_parallel_group(), mpu.get_pipeline_model_parallel_last_rank(),
-            mpu.get_pipeline_model_parallel_world_size())
-
-
-def broadcast_tensor_from_last_stage(value: Tensor | None, shape, dtype=torch.float32, device=None) -> Tensor:
+def broadcast_tensor_from_last_stage(value: Tensor | None, shape, pg, dtype=torch.float32, device=None) -> Tensor:
     """Last stage passes `value`; other stages pass None and receive a tensor of `shape`."""
-    group, src, size = _pp()
-    if size == 1:
+    if size(pg.pp) == 1:
         return value
     if value is None:
         value = torch.empty(shape, dtype=dtype, device=device)
     value = value.contiguous()
-    dist.broadcast(value, src=src, group=group)
+    dist.broadcast(value, src=last_rank(pg), group=pg.pp)
     return value
 
 
-def broadcast_object_from_last_stage(obj):
+def broadcast_object_from_last_stage(obj, pg):
     """Broadcast a small picklable object (e.g. the reduced metrics dict) over the PP group."""
-    group, src, size = _pp()
-    if size == 1:
+    if size(pg.pp) == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
+    dist.broadcast_object_list(box, src=last_rank(pg), group=pg.pp)
     return box[0]

@@ -26,6 +26,7 @@ from ..config import LossConfig
 from ..losses import check_loss_config, required_inputs, valid_tokens
 from ..losses.registry import missing_input_message
 from .forward import check_megatron_config, compute_logprobs, forward_step_for, make_loss_func, run_schedule
+from .groups import default_groups, rank, size
 from .guard import (NONFINITE_CHECKS, check_advantages, has_grad_scaler, nonfinite_this_step, warn_skipped,
                     watch_loss, zero_grads)
 from .m2po import dp_shard_row_ids, step_selection
@@ -55,7 +56,7 @@ def plan_old_logprobs(loss_cfg: LossConfig, step_cfg: StepConfig, *, optimizer_s
 
 def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_cfg: StepConfig, *,
                 vocab_size: Optional[int] = None, ref_chunks=None, calls: Optional[list] = None,
-                row_ids: Optional[torch.Tensor] = None) -> dict[str, float]:
+                row_ids: Optional[torch.Tensor] = None, pg_collection=None) -> dict[str, float]:
     """Run one full RL update (minibatches x epochs, each an optimizer step) on DP-local `batch`.
 
     Each micro_batch_size rows are packed into [1, T] bins of at most
@@ -87,31 +88,30 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
     row_ids: [n] int, each local row's global sequence index, unique over DP and the same in every
     layout (M2PO's tie-break); default: the Rollouts.dp_shard layout, with as many minibatches as
     minibatch_size makes.
+    pg_collection: megatron-core's ProcessGroupCollection the model runs on (tp, pp, cp, tp_cp, dp,
+    dp_cp); default: megatron's parallel_state groups (step.groups.default_groups).
     Raises ValueError on every rank, before any schedule, for a non-finite advantage on a
     trained target on any rank (`check_advantages`); non-finite old/rollout/ref logprobs are not
     an error: the loss drops those tokens and counts them in "policy/nonfinite_dropped".
     """
-    from megatron.core import parallel_state as mpu
-
+    pg = default_groups(pg_collection)
     check_megatron_config(chunks, head=loss_cfg.head)
     check_loss_config(loss_cfg)
-    shape = check_batch(chunks, batch, loss_cfg, step_cfg, ref_chunks=ref_chunks)
+    shape = check_batch(chunks, batch, loss_cfg, step_cfg, ref_chunks=ref_chunks, pg=pg)
     calls = [] if calls is None else calls
     if row_ids is None:  # global sample indices: M2PO's tie-break, and a bad route's name
-        row_ids = dp_shard_row_ids(shape.n, shape.mini_local, mpu.get_data_parallel_rank(),
-                                   mpu.get_data_parallel_world_size(), batch.tokens.device)
+        row_ids = dp_shard_row_ids(shape.n, shape.mini_local, rank(pg.dp), size(pg.dp), batch.tokens.device)
     # MoE routing replay (R3) in every pass over the rollouts: pi_old, reference and training
-    replay = RoutingReplay.of([*chunks, *(ref_chunks or [])], batch, loss_cfg.routing_replay,
-                              mpu.get_data_parallel_group(), row_ids=row_ids)
+    replay = RoutingReplay.of([*chunks, *(ref_chunks or [])], batch, loss_cfg.routing_replay, pg, row_ids=row_ids)
     if replay is None and batch.routed_experts is not None:  # routes the routers cannot take: ignored
         batch = batch.replace(routed_experts=None)
     with replay or contextlib.nullcontext():
         batch, keep, m2po_metrics = prepare_inputs(chunks, batch, loss_cfg, step_cfg, shape, vocab_size=vocab_size,
-                                                   ref_chunks=ref_chunks, calls=calls, row_ids=row_ids)
-        router_stats = RouterStats.of(chunks)  # None for a dense model
+                                                   ref_chunks=ref_chunks, calls=calls, row_ids=row_ids, pg=pg)
+        router_stats = RouterStats.of(chunks, pg)  # None for a dense model
         run = train(chunks, optimizer, batch, loss_cfg, step_cfg, shape, keep=keep, vocab_size=vocab_size,
-                    calls=calls, router_stats=router_stats)
-    return {**run.metrics(shape), "step/forward_calls": float(len(calls)), **m2po_metrics,
+                    calls=calls, router_stats=router_stats, pg=pg)
+    return {**run.metrics(shape, pg), "step/forward_calls": float(len(calls)), **m2po_metrics,
             **(router_stats.reduce() if router_stats is not None else {}),
             **(replay.reduce() if replay is not None else {})}
 
@@ -128,21 +128,18 @@ class StepShape:
     layout: Layout
 
 
-def check_batch(chunks, batch: Rollouts, loss_cfg: LossConfig, step_cfg: StepConfig, *, ref_chunks) -> StepShape:
+def check_batch(chunks, batch: Rollouts, loss_cfg: LossConfig, step_cfg: StepConfig, *, ref_chunks, pg) -> StepShape:
     """Refuse, on every rank and before any schedule, a batch this step cannot train: off the
     model's device, uneven over DP, no rows, sizes that do not divide, a missing input, a non-finite
     advantage on a trained target. Collectives: a MAX over DP (rows), check_advantages'."""
-    from megatron.core import parallel_state as mpu
-
-    dp = mpu.get_data_parallel_world_size()
+    dp = size(pg.dp)
     n = batch.tokens.shape[0]
     param = next(chunks[0].parameters())
     if batch.tokens.device != param.device:
         raise ValueError(f"rollouts are on {batch.tokens.device} but the model is on {param.device}; move the "
                          "batch to the model's device (NCCL collectives need it there)")
     # Every DP rank must run the same schedules: a rank with more rows would wait in a collective.
-    rows = all_reduce_in(torch.tensor([n, -n], device=param.device), dist.ReduceOp.MAX,
-                         mpu.get_data_parallel_group())
+    rows = all_reduce_in(torch.tensor([n, -n], device=param.device), dist.ReduceOp.MAX, pg.dp)
     if int(rows[0]) != -int(rows[1]):
         raise ValueError(f"data-parallel ranks hold different numbers of rows ({-int(rows[1])} to {int(rows[0])}; "
                          f"this rank {n}); shard the global batch evenly (Rollouts.dp_shard)")
@@ -166,17 +163,15 @@ def check_batch(chunks, batch: Rollouts, loss_cfg: LossConfig, step_cfg: StepCon
         if getattr(batch, name) is None and not produced:
             raise ValueError(f"rollouts.{name} is missing: {missing_input_message(loss_cfg, name)}")
     check_advantages(batch)
-    return StepShape(n=n, mini_local=mini_local, steps=steps, plan=plan, layout=step_layout(chunks, step_cfg))
+    return StepShape(n=n, mini_local=mini_local, steps=steps, plan=plan, layout=step_layout(chunks, step_cfg, pg))
 
 
 def prepare_inputs(chunks, batch: Rollouts, loss_cfg: LossConfig, step_cfg: StepConfig, shape: StepShape, *,
-                   vocab_size, ref_chunks, calls: list, row_ids) -> tuple[Rollouts, Optional[torch.Tensor], dict]:
+                   vocab_size, ref_chunks, calls: list, row_ids, pg) -> tuple[Rollouts, Optional[torch.Tensor], dict]:
     """The batch with pi_old and pi_ref filled in by forward-only passes where the plan needs them,
     and with correction.m2po the global keep mask [n, s] and its metrics (else None, {})."""
-    from megatron.core import parallel_state as mpu
-
     score = partial(compute_logprobs, batch=batch, step_cfg=step_cfg, vocab_size=vocab_size, calls=calls,
-                    head=loss_cfg.head, head_fp32=loss_cfg.head_fp32)
+                    head=loss_cfg.head, head_fp32=loss_cfg.head_fp32, pg_collection=pg)
     if shape.plan == "pass":
         batch = batch.replace(old_logprobs=score(chunks))
     if "ref_logprobs" in required_inputs(loss_cfg) and batch.ref_logprobs is None:
@@ -187,7 +182,7 @@ def prepare_inputs(chunks, batch: Rollouts, loss_cfg: LossConfig, step_cfg: Step
     given = {k: getattr(batch, k) for k in ("old_logprobs", "rollout_logprobs", "ref_logprobs")}
     keep, metrics = step_selection(batch.old_logprobs, batch.rollout_logprobs,
                                    valid_tokens(loss_cfg, batch.loss_mask, **given), loss_cfg.correction.m2po,
-                                   row_ids=row_ids, group=mpu.get_data_parallel_group())
+                                   row_ids=row_ids, group=pg.dp)
     return batch, keep, metrics
 
 
@@ -202,14 +197,12 @@ class TrainRun:
     skipped_nonfinite: int = 0
     nonfinite: dict = field(default_factory=lambda: dict.fromkeys(NONFINITE_CHECKS, 0))
 
-    def metrics(self, shape: StepShape) -> dict[str, float]:
+    def metrics(self, shape: StepShape, pg) -> dict[str, float]:
         """The loss metrics reduced over DP x CP on the last stage, broadcast over PP, and the step's."""
-        from megatron.core import parallel_state as mpu
-
         metrics = None
-        if is_last_stage():
-            metrics = reduce_metrics(self.per_microbatch, group=mpu.get_data_parallel_group(with_context_parallel=True))
-        metrics = broadcast_object_from_last_stage(metrics)
+        if is_last_stage(pg):
+            metrics = reduce_metrics(self.per_microbatch, group=pg.dp_cp)
+        metrics = broadcast_object_from_last_stage(metrics, pg)
         skipped = self.skipped + self.skipped_nonfinite
         return {**metrics,
                 "step/grad_norm": sum(self.grad_norms) / len(self.grad_norms) if self.grad_norms else float("nan"),
@@ -221,18 +214,18 @@ class TrainRun:
 
 
 def train(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_cfg: StepConfig, shape: StepShape, *,
-          keep: Optional[torch.Tensor], vocab_size, calls: list, router_stats: Optional[RouterStats]) -> TrainRun:
+          keep: Optional[torch.Tensor], vocab_size, calls: list, router_stats: Optional[RouterStats], pg) -> TrainRun:
     """Per epoch and minibatch: microbatches, megatron's schedule with the loss plugin, then the
     optimizer step, or a skip on every rank when something was non-finite on any rank."""
-    from megatron.core import parallel_state as mpu
     from megatron.core.utils import get_model_config
 
     seen: list = []
     loss_func = make_loss_func(loss_cfg, temperature=step_cfg.temperature, vocab_size=vocab_size,
-                               old_from_current=shape.plan == "from_training_forward")
-    forward_step = forward_step_for(watch_loss(loss_func, seen), calls, head=loss_cfg.head, moe=router_stats)
+                               old_from_current=shape.plan == "from_training_forward", pg_collection=pg)
+    forward_step = forward_step_for(watch_loss(loss_func, seen), calls, head=loss_cfg.head, moe=router_stats,
+                                    pg_collection=pg)
     build = partial(microbatches, loss_cfg=loss_cfg, step_cfg=step_cfg, layout=shape.layout,
-                    dp_group=mpu.get_data_parallel_group())
+                    dp_group=pg.dp)
     scaler = has_grad_scaler(optimizer)
     run = TrainRun()
     for _ in range(step_cfg.epochs):

@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..schema import ConfigError
+from .groups import default_groups, size
+from .groups import rank as group_rank
 from .reduce import all_reduce_in
 
 _ATTR = "_cispo_layer_replays"  # cache of a model chunk's LayerReplays
@@ -186,26 +188,24 @@ def recomputes_router(config, block_index: Optional[int] = None) -> bool:
     return granularity == "selective" and "moe" in (config.recompute_modules or ())
 
 
-def local_routes(routes: Tensor, padding_mask: Optional[Tensor], config) -> tuple[Tensor, Tensor]:
+def local_routes(routes: Tensor, padding_mask: Optional[Tensor], config, tp_group=None) -> tuple[Tensor, Tensor]:
     """A microbatch's routes [b, s, L, k] and padding [b, s] (True = pad) as the router sees its
     tokens: [s_local * b, L, k] and valid [s_local * b], s-major, this TP rank's sequence slice
-    under sequence parallelism (the MoE layer routes its [s/tp, b, h] shard)."""
-    from megatron.core import parallel_state as mpu
-
+    under sequence parallelism (the MoE layer routes its [s/tp, b, h] shard). tp_group: the model's."""
     routes = routes.transpose(0, 1)
     valid = (torch.ones(routes.shape[:2], dtype=torch.bool, device=routes.device) if padding_mask is None
              else ~padding_mask.transpose(0, 1).bool())
-    tp = mpu.get_tensor_model_parallel_world_size()
+    tp = size(tp_group)
     if config.sequence_parallel and tp > 1:
-        part, rank = routes.shape[0] // tp, mpu.get_tensor_model_parallel_rank()
+        part, rank = routes.shape[0] // tp, group_rank(tp_group)
         routes, valid = routes[rank * part:(rank + 1) * part], valid[rank * part:(rank + 1) * part]
     return routes.reshape(-1, *routes.shape[2:]).long(), valid.reshape(-1)  # gather takes int64
 
 
 @contextlib.contextmanager
-def replay_routes(model, mb) -> Iterator[None]:
+def replay_routes(model, mb, pg) -> Iterator[None]:
     """Around one microbatch's model forward: hand its routes (mb.routed_experts) to this chunk's
-    routers and take them back after. Nothing for a microbatch without routes."""
+    routers and take them back after. Nothing for a microbatch without routes. pg: step/groups.py."""
     if mb.routed_experts is None:
         yield
         return
@@ -213,7 +213,7 @@ def replay_routes(model, mb) -> Iterator[None]:
 
     config = get_model_config(model)
     layers = install(model, config)
-    routes, valid = local_routes(mb.routed_experts, mb.padding_mask, config)
+    routes, valid = local_routes(mb.routed_experts, mb.padding_mask, config, pg.tp)
     for layer in layers:
         layer.set(routes[:, layer.moe_index], valid, training=model.training,
                   recompute=recomputes_router(config, layer.block_index))
@@ -232,17 +232,18 @@ class RoutingReplay:
     moe/route_mismatch_l{j} per MoE layer j, moe/replay_fallback_frac (valid tokens with -1, over
     all valid tokens) and moe/replay_fallbacks; training forwards only, each epoch counts again."""
 
-    def __init__(self, layers: list[LayerReplay], config, replace: bool, device):
-        self.layers, self.config, self.replace, self.device = layers, config, replace, device
+    def __init__(self, layers: list[LayerReplay], config, replace: bool, device, pg):
+        self.layers, self.config, self.replace, self.device, self.pg = layers, config, replace, device, pg
 
     @classmethod
-    def of(cls, chunks, batch, mode: str, dp_group=None, row_ids: Optional[Tensor] = None) -> Optional["RoutingReplay"]:
+    def of(cls, chunks, batch, mode: str, pg_collection=None, row_ids: Optional[Tensor] = None) -> Optional["RoutingReplay"]:
         """None when the batch has no routes (mode 'rollout' then refused), the model is dense, or
         mode is 'off' and the routers cannot be measured (unusable: fused or sinkhorn router, CUDA
         graphs, no seam; said once, and the routes are ignored; 'rollout' is refused then).
         chunks: every model whose passes score the rollouts (policy and reference). Routes that
         disagree with the model raise BadRoutes on every rank with the same message, naming the
-        sample by row_ids (global indices; one MAX over DP, and on failure one all_gather_object)."""
+        sample by row_ids (global indices; one MAX over DP, and on failure one all_gather_object).
+        pg_collection: the model's process groups (step/groups.py; default megatron's)."""
         from megatron.core.utils import get_model_config
 
         config = get_model_config(chunks[0])
@@ -261,9 +262,10 @@ class RoutingReplay:
                 warnings.warn(f"loss.routing_replay='off': the rollouts' routed_experts are ignored and "
                               f"moe/route_mismatch is not measured: {problem}", RuntimeWarning, stacklevel=2)
             return None
-        _refuse_bad_routes(check_routes(batch.routed_experts, config, row_ids), batch.tokens.device, dp_group)
+        pg = default_groups(pg_collection)
+        _refuse_bad_routes(check_routes(batch.routed_experts, config, row_ids), batch.tokens.device, pg.dp)
         layers = [layer for c in chunks for layer in install(c, get_model_config(c))]
-        return cls(layers, config, mode == "rollout", batch.tokens.device)
+        return cls(layers, config, mode == "rollout", batch.tokens.device, pg)
 
     def __enter__(self):
         for layer in self.layers:
@@ -279,14 +281,11 @@ class RoutingReplay:
     def reduce(self) -> dict[str, float]:
         """Exact global fractions: SUM over TP x CP (this rank's tokens; without sequence parallel
         the TP ranks route the same tokens and only TP rank 0 counts), PP, then DP. One host sync."""
-        from megatron.core import parallel_state as mpu
-
         count = torch.zeros(len(moe_layer_numbers(self.config)), 3, dtype=torch.float64, device=self.device)
-        if self.config.sequence_parallel or mpu.get_tensor_model_parallel_rank() == 0:
+        if self.config.sequence_parallel or group_rank(self.pg.tp) == 0:
             for layer in self.layers:
                 count[layer.moe_index] += layer.counts
-        for group in (mpu.get_tensor_and_context_parallel_group(), mpu.get_pipeline_model_parallel_group(),
-                      mpu.get_data_parallel_group()):
+        for group in (self.pg.tp_cp, self.pg.pp, self.pg.dp):
             all_reduce_in(count, dist.ReduceOp.SUM, group)
         differs, routed, fallback = count.unbind(1)
         frac = lambda a, b: a / b.clamp(min=1)  # noqa: E731  (0 where nothing was routed)

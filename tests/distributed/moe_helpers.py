@@ -148,7 +148,7 @@ def hand_aux_worker(lr=100.0):
     # One process packs without padding (pad multiple 1). Pad every sequence to a multiple of 4,
     # as CP=2 does, so that the router gets packing padding through padding_mask.
     step_module = importlib.import_module("megatron_cispo.step.policy_step")  # not the function
-    step_module.step_layout = lambda chunks, step_cfg: Layout(pad_multiple=4, padding_mask=True)
+    step_module.step_layout = lambda chunks, step_cfg, pg=None: Layout(pad_multiple=4, padding_mask=True)
     tokens, lengths, loss_mask, _, noise = make_batch()
     out = {}
     for agg in AGGS:

@@ -36,7 +36,51 @@ def make_batch():
     return tokens, loss_mask, advantages, noise
 
 
-def policy_step_worker(tp, pp, vp=None, layers=4, cases=tuple(CASES), micro=2):
+def _own_groups():
+    """A ProcessGroupCollection of new gloo groups with the members of megatron's (tp, pp, cp, tp_cp, dp,
+    dp_cp): other objects than parallel_state's, with the same numbers as the result."""
+    import torch.distributed as dist
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_cispo.step.groups import NEEDED
+
+    theirs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=list(NEEDED))
+    mine = {}
+    for name in NEEDED:
+        members = [None] * dist.get_world_size()
+        dist.all_gather_object(members, dist.get_process_group_ranks(getattr(theirs, name)))
+        for ranks in sorted({tuple(m) for m in members}):  # every rank creates every group, in one order
+            group = dist.new_group(list(ranks))
+            if dist.get_rank() in ranks:
+                mine[name] = group
+    return ProcessGroupCollection(**mine)
+
+
+def _watch_parallel_state(seen: list):
+    """Record each call of a parallel_state getter from megatron_cispo's code (the caller's module):
+    megatron-core's own calls pass. Returns the undo."""
+    import inspect
+    import sys
+
+    from megatron.core import parallel_state as mpu
+
+    originals = {name: fn for name, fn in vars(mpu).items()
+                 if inspect.isfunction(fn) and name.startswith(("get_", "is_", "model_parallel_is"))}
+
+    def watched(fn, name):
+        def call(*args, **kwargs):
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller.startswith("megatron_cispo."):
+                seen.append(f"{caller}: {name}")
+            return fn(*args, **kwargs)
+        return call
+
+    for name, fn in originals.items():
+        setattr(mpu, name, watched(fn, name))
+    return lambda: [setattr(mpu, name, fn) for name, fn in originals.items()]
+
+
+def policy_step_worker(tp, pp, vp=None, layers=4, cases=tuple(CASES), micro=2, own_groups=False):
     from megatron.core import parallel_state as mpu
 
     from megatron_cispo.runner import distributed
@@ -50,13 +94,19 @@ def policy_step_worker(tp, pp, vp=None, layers=4, cases=tuple(CASES), micro=2):
     tokens, loss_mask, adv, noise = make_batch()
     dp_rank, dp = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
     out = {}
-    for name in cases:
+    runs = [(name, name, None) for name in cases]
+    if own_groups:  # one case again, every group handed in (step/groups.py)
+        runs.append(("own_groups", "rollout_two_steps_token_mean", _own_groups()))
+    for key, name, pg in runs:
         loss_over, step_kw = CASES[name]
         chunks = build_model(mcfg, tp=tp, pp=pp, vp=vp, seed=3)
         opt = build_optimizer(chunks, lr=0.1, optimizer="sgd", clip_grad=1.0)
+        ref = build_model(mcfg, tp=tp, pp=pp, vp=vp, seed=5, wrap_ddp=False) if "ref" in name else None
+        seen: list = []  # from here to policy_step's end, with groups handed in: no global read of ours
+        undo = _watch_parallel_state(seen) if pg is not None else (lambda: None)
         full = Rollouts(tokens=tokens, loss_mask=loss_mask, advantages=adv, rollout_logprobs=noise)
         shard = full.dp_shard(dp_rank=dp_rank, dp=dp, minibatches=N // step_kw.get("minibatch_size", N))
-        current = compute_logprobs(chunks, shard, StepConfig(micro_batch_size=micro))
+        current = compute_logprobs(chunks, shard, StepConfig(micro_batch_size=micro), pg_collection=pg)
         stale = current + shard.rollout_logprobs  # a sampler some versions behind: log-ratios ~ 1
         if dp_rank == 0:
             stale[0, int(shard.loss_mask[0].nonzero()[0])] = float("-inf")  # samplers do return -inf; the token must be dropped, not NaN
@@ -64,11 +114,16 @@ def policy_step_worker(tp, pp, vp=None, layers=4, cases=tuple(CASES), micro=2):
                          rollout_logprobs=stale)
         counted = []
         hook = chunks[0].module.register_forward_pre_hook(lambda *a: counted.append(1))
-        ref = build_model(mcfg, tp=tp, pp=pp, vp=vp, seed=5, wrap_ddp=False) if "ref" in name else None
         metrics = policy_step(chunks, opt, batch, from_dict(LossConfig, loss_over),
-                              StepConfig(micro_batch_size=micro, **step_kw), ref_chunks=ref)
+                              StepConfig(micro_batch_size=micro, **step_kw), ref_chunks=ref, pg_collection=pg)
+        if pg is not None:  # the watch sees the one fallback there is
+            from megatron_cispo.step.groups import default_groups
+
+            default_groups()
+        undo()
         hook.remove()
-        out[name] = {"metrics": metrics, "state": gather_full_state(chunks), "hooked_forwards": len(counted)}
+        out[key] = {"metrics": metrics, "state": gather_full_state(chunks), "hooked_forwards": len(counted),
+                    "globals_read": seen}
     return out
 
 
@@ -79,7 +134,17 @@ def reference():
 
 @pytest.mark.parametrize("tp,pp,dp", LAYOUTS)
 def test_layout_matches_single_process(reference, tp, pp, dp):
-    _assert_matches(reference, spawn(policy_step_worker, tp * pp * dp, (tp, pp)))
+    own = (tp, pp, dp) == (2, 2, 2)  # and, in the layout with every group > 1, the groups handed in
+    results = spawn(policy_step_worker, tp * pp * dp, (tp, pp, None, 4, tuple(CASES), 2, own))
+    _assert_matches(reference, results)
+    if own:
+        for res in results:  # the same step, bit for bit, on groups that are not parallel_state's
+            assert res["own_groups"]["metrics"] == res["rollout_two_steps_token_mean"]["metrics"]
+            # and megatron_cispo read none of megatron's globals in compute_logprobs and policy_step:
+            # the one read is default_groups', called after them to show that the watch sees reads
+            assert res["own_groups"]["globals_read"] == ["megatron_cispo.step.groups: model_parallel_is_initialized"]
+        for pname, value in results[0]["rollout_two_steps_token_mean"]["state"].items():
+            assert torch.equal(results[0]["own_groups"]["state"][pname], value), pname
 
 
 def test_interleaved_virtual_pipeline_matches_single_process():

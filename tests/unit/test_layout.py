@@ -216,3 +216,29 @@ def test_the_import_order_the_doc_states_is_the_one_enforced_here():
     assert floors and library, "docs/architecture.md's import rule lost its 'floors:' or 'library:' line"
     assert _groups(floors[1]) == [{"library"}] + [{p for p, f in FLOOR.items() if f == i} for i in range(1, TOP + 1)]
     assert _groups(library[1]) == [{p for p, o in ORDER.items() if o == i} for i in range(max(ORDER.values()) + 1)]
+
+
+def parallel_state_readers(root: Path = PKG) -> list[str]:
+    """Modules under step/ that import megatron-core's parallel_state (its globals), as 'file:line'."""
+    out = []
+    for path in sorted((root / "step").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [f"{node.module}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) else [])
+            if any(n == "megatron.core.parallel_state" or n.startswith("megatron.core.parallel_state.") for n in names):
+                out.append(f"{path.relative_to(root)}:{node.lineno}")
+    return out
+
+
+def test_only_step_groups_reads_megatrons_parallel_state_under_step():
+    """The step takes its process groups as a pg_collection; step/groups.py's default_groups is the one
+    place that falls back to megatron's globals (and it looks them up in sys.modules, importing nothing)."""
+    assert parallel_state_readers() == []
+
+
+def test_a_planted_parallel_state_import_under_step_is_reported(tmp_path):
+    root = tmp_path / "megatron_cispo"
+    shutil.copytree(PKG, root, ignore=shutil.ignore_patterns("__pycache__"))
+    path = root / "step" / "packing.py"
+    path.write_text(path.read_text() + "\n\ndef _planted():\n    from megatron.core import parallel_state as mpu\n")
+    assert [f.split(":")[0] for f in parallel_state_readers(root)] == ["step/packing.py"]
