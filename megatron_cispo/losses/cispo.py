@@ -15,7 +15,8 @@ from .metrics import Metrics
 from .registry import register_policy_loss
 
 
-@register_policy_loss("cispo", anchor=lambda cfg: cfg.cispo.anchor, anchor_key="cispo.anchor")
+@register_policy_loss("cispo", anchor=lambda cfg: cfg.cispo.anchor, anchor_key="cispo.anchor", per_token=True,
+                      bounds=lambda cfg: cfg.cispo.bounds())
 def cispo_loss(cfg: LossConfig, x: LossInputs) -> tuple[Tensor, Metrics]:
     c = cfg.cispo
     low, high = c.bounds()

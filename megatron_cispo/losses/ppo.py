@@ -14,12 +14,17 @@ from .metrics import Metrics
 from .registry import register_policy_loss
 
 
-@register_policy_loss("ppo", anchor="old")
+def ppo_bounds(cfg: LossConfig) -> tuple[float, float]:
+    return 1.0 - cfg.ppo.eps_low, 1.0 + cfg.ppo.eps_high
+
+
+@register_policy_loss("ppo", anchor="old", per_token=True, bounds=ppo_bounds)
 def ppo_loss(cfg: LossConfig, x: LossInputs) -> tuple[Tensor, Metrics]:
     p, a = cfg.ppo, x.advantages
+    low, high = ppo_bounds(cfg)
     ratio = log_ratio(x.logprobs, x.anchor_logprobs).exp()
     unclipped = -a * ratio
-    clipped = -a * ratio.clamp(1.0 - p.eps_low, 1.0 + p.eps_high)
+    clipped = -a * ratio.clamp(low, high)
     loss = torch.maximum(unclipped, clipped)
     dual = torch.zeros_like(x.mask)
     if p.dual_clip is not None:
@@ -29,7 +34,7 @@ def ppo_loss(cfg: LossConfig, x: LossInputs) -> tuple[Tensor, Metrics]:
     live = (unclipped >= clipped) & ~dual
     weight = ratio.detach() * live
     m = Metrics()
-    ratio_metrics(m, ratio, weight, x, 1.0 - p.eps_low, 1.0 + p.eps_high)
+    ratio_metrics(m, ratio, weight, x, low, high)
     m.frac("masked_frac", ~live, x.mask)
     m.frac("dual_clip_frac", dual, x.mask)
     return loss, m

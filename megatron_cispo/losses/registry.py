@@ -22,6 +22,7 @@ ENTRY_POINT_GROUP = "megatron_cispo.policy_losses"
 
 Anchor = Literal["old", "rollout"]
 LossFn = Callable[[LossConfig, LossInputs], tuple[Tensor, Metrics]]
+Bounds = Callable[[LossConfig], tuple[float, float]]
 
 INPUT_DOCS = {
     "old_logprobs": "pi_old, recomputed by the trainer before the update",
@@ -40,12 +41,21 @@ class PolicyLoss:
     """fn(cfg, inputs) -> (per-token loss [b, s] fp32, Metrics); anchor names its ratio denominator.
 
     anchor_key: the config key that chooses a configurable anchor ("cispo.anchor"), for messages.
+    per_token: each token's loss reads only that token's logprob and given inputs (no sequence
+    quantity of the current policy), so loss.head=fused_grad may form its gradient chunk by chunk.
+    bounds: cfg -> (low, high), the ratio bounds the loss applies (a clamp, a clip, a trust band),
+    which the Megatron-LM drop-in's truncated-fraction metrics report; None: the loss has none.
     """
 
     name: str
     fn: LossFn
     anchor: Union[Anchor, Callable[[LossConfig], Anchor]]
     anchor_key: Optional[str] = None
+    per_token: bool = False
+    bounds: Optional[Bounds] = None
+
+    def bounds_for(self, cfg: LossConfig) -> Optional[tuple[float, float]]:
+        return None if self.bounds is None else self.bounds(cfg)
 
     def anchor_for(self, cfg: LossConfig) -> Anchor:
         anchor = self.anchor(cfg) if callable(self.anchor) else self.anchor
@@ -62,16 +72,20 @@ _plugins_loaded = False
 
 
 def register_policy_loss(name: str, *, anchor: Union[Anchor, Callable[[LossConfig], Anchor]],
-                         anchor_key: Optional[str] = None) -> Callable[[LossFn], LossFn]:
+                         anchor_key: Optional[str] = None, per_token: bool = False,
+                         bounds: Optional[Bounds] = None) -> Callable[[LossFn], LossFn]:
     """Decorator: register `fn` under `name`. Registering a name twice raises ValueError.
 
     anchor: "old", "rollout", or a function of the config; anchor_key names the config key
-    such a function reads (e.g. "cispo.anchor"), so error messages can point at it.
+    such a function reads (e.g. "cispo.anchor"), so error messages can point at it. per_token and
+    bounds: what the loss declares about itself (PolicyLoss); a loss that declares nothing is
+    served by the plain fused head under loss.head=fused_grad and reports no truncated fraction.
     """
     def decorate(fn: LossFn) -> LossFn:
         if name in _REGISTRY:
             raise ValueError(f"policy loss {name!r} is already registered (by {_REGISTRY[name].fn.__module__})")
-        _REGISTRY[name] = PolicyLoss(name=name, fn=fn, anchor=anchor, anchor_key=anchor_key)
+        _REGISTRY[name] = PolicyLoss(name=name, fn=fn, anchor=anchor, anchor_key=anchor_key, per_token=per_token,
+                                     bounds=bounds)
         return fn
     return decorate
 

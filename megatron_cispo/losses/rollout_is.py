@@ -14,9 +14,13 @@ from .metrics import Metrics
 from .registry import register_policy_loss
 
 
-@register_policy_loss("rollout_is", anchor="rollout")
+def rollout_is_bounds(cfg: LossConfig) -> tuple[float, float]:
+    return 1.0 - cfg.rollout_is.eps_low, 1.0 + cfg.rollout_is.eps_high
+
+
+@register_policy_loss("rollout_is", anchor="rollout", per_token=True, bounds=rollout_is_bounds)
 def rollout_is_loss(cfg: LossConfig, x: LossInputs) -> tuple[Tensor, Metrics]:
-    low, high = 1.0 - cfg.rollout_is.eps_low, 1.0 + cfg.rollout_is.eps_high
+    low, high = rollout_is_bounds(cfg)
     ratio = log_ratio(x.logprobs, x.anchor_logprobs).detach().exp()
     keep = (ratio >= low) & (ratio <= high)
     weight = ratio * keep

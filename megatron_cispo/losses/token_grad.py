@@ -20,17 +20,10 @@ import torch
 from torch import Tensor
 
 from ..config import LossConfig
-from .aggregate import aggregate
 from .common import SeqSum, row_sum
 from .compute import compute_policy_loss, per_token_policy_loss
 from .metrics import Metrics
 from .registry import check_loss_config
-
-# The built-in losses, read in losses/cispo.py, ppo.py, rollout_is.py: each token's loss reads only
-# that token's logprob and given inputs. A plugin may form sequence quantities, so it falls back.
-SEPARABLE_LOSSES = frozenset({"cispo", "ppo", "rollout_is"})
-
-
 
 def fused_grad_fallback(cfg: LossConfig, old_from_current: bool, *, cp_size: int = 1,
                         kept_set: bool = False) -> Optional[str]:
@@ -43,8 +36,9 @@ def fused_grad_fallback(cfg: LossConfig, old_from_current: bool, *, cp_size: int
     c = cfg.correction
     if kept_set:
         return "the microbatch has kept sets (sampling-mask replay), which fused_grad_logprobs does not take"
-    if cfg.policy_loss not in SEPARABLE_LOSSES:
-        return f"policy_loss={cfg.policy_loss!r} is a plugin: its loss may read whole sequences"
+    if not spec.per_token:
+        return (f"policy_loss={cfg.policy_loss!r} is not registered per_token=True: its loss may read whole "
+                "sequences")
     if c.opsm is not None:
         return f"correction.opsm={c.opsm!r} reads the current policy's sequence mean of log(pi_ref / pi_theta)"
     if c.geo_rs is not None and spec.anchor_for(cfg) == "rollout":

@@ -175,13 +175,35 @@ def test_sequence_totals_under_cp_are_wrong_per_chunk():
         assert (got - want).abs().max() > 1e-3
 
 
-def test_plugins_and_kept_sets_fall_back_with_their_reason():
+def _register_once(name, **kw):
+    def reinforce(cfg, x):  # -A * log pi, token by token
+        from megatron_cispo.losses import Metrics
+
+        return -x.advantages * x.logprobs, Metrics()
     try:
-        register_policy_loss("token_grad_test_plugin", anchor="old")(lambda cfg, x: (x.logprobs * 0, None))
+        register_policy_loss(name, anchor="old", **kw)(reinforce)
     except ValueError:  # registered by an earlier run in this process
         pass
-    assert "plugin" in fused_grad_fallback(cfg_of(policy_loss="token_grad_test_plugin"), False)
+
+
+def test_losses_that_do_not_declare_per_token_and_kept_sets_fall_back_with_their_reason():
+    _register_once("token_grad_test_plugin")
+    assert "not registered per_token=True" in fused_grad_fallback(cfg_of(policy_loss="token_grad_test_plugin"), False)
     assert "kept sets" in fused_grad_fallback(cfg_of(), False, kept_set=True)
+
+
+def test_a_plugin_that_declares_per_token_runs_fused_grad_without_falling_back():
+    """The registry owns the property: a plugin loss registered per_token=True gets the chunked gradient,
+    equal to the fused head's, and no fallback is counted."""
+    _register_once("token_grad_test_per_token", per_token=True)
+    over = {"policy_loss": "token_grad_test_per_token"}
+    assert fused_grad_fallback(cfg_of(**over), False) is None
+    want, got = _step_case("fused", over), _step_case("fused_grad", over)
+    assert got[1].pop(KEY_FALLBACK) == 0.0
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-6)
+    for a, b in zip(got[2:], want[2:]):
+        assert b.abs().max() > 0
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def _step_case(head, cfg_over, seed=5, fused=True):

@@ -35,15 +35,10 @@ def effective_config(cfg: LossConfig, clamp_eps_lower: float, clamp_eps_upper: f
 
 
 def clip_bounds(cfg: LossConfig) -> Optional[tuple[float, float]]:
-    """(low, high) ratio bounds of the configured loss, from its config section (cfg.<name>), if any: the
-    section's own bounds() where it has one (CISPO's clamp: clip_min/clip_max and the floor at 0), else
-    its clip offsets as the loss applies them."""
-    section = getattr(cfg, cfg.policy_loss, None)
-    if section is not None and callable(getattr(section, "bounds", None)):
-        return section.bounds()
-    if section is None or not hasattr(section, "eps_low") or not hasattr(section, "eps_high"):
-        return None  # a plugin loss without a clip section: nothing is reported as truncated
-    return 1.0 - section.eps_low, 1.0 + section.eps_high
+    """(low, high) ratio bounds of the configured loss as its registration declares them (the loss applies
+    the same ones: CISPO's clamp with clip_min/clip_max and the floor at 0, PPO's clip, rollout_is's
+    band); None for a loss that declares none (nothing is reported as truncated)."""
+    return get_policy_loss(cfg.policy_loss).bounds_for(cfg)
 
 
 def token_advantages(advantages: Tensor, like: Tensor, seq_starts, seq_lengths) -> Tensor:
