@@ -1,0 +1,93 @@
+"""docs/examples/capped_reinforce.py, the worked plugin of docs/algorithm.md ("Adding a loss"): loaded
+as a plugin, it is one file and one registration, and the registry's properties it declares hold."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_cispo.config import LossConfig
+from megatron_cispo.integrations import megatron_lm as mlm
+from megatron_cispo.integrations.megatron_lm.dropin import clip_bounds
+from megatron_cispo.integrations.plugins import load_plugins
+from megatron_cispo.losses import compute_policy_loss, get_policy_loss, registry, token_weights
+from megatron_cispo.losses.token_grad import fused_grad_fallback
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
+CFG = LossConfig(policy_loss="capped_reinforce")
+
+
+@pytest.fixture(scope="module")
+def plugin():
+    sys.path.insert(0, str(EXAMPLES))
+    saved = dict(registry._REGISTRY)
+    try:
+        [mod] = load_plugins("capped_reinforce")  # as MEGATRON_CISPO_PLUGINS=capped_reinforce does
+        yield mod
+    finally:
+        registry._REGISTRY.clear()
+        registry._REGISTRY.update(saved)
+        sys.modules.pop("capped_reinforce", None)
+        sys.path.remove(str(EXAMPLES))
+
+
+def test_the_plugin_registers_its_anchor_its_per_token_property_and_its_bounds(plugin):
+    spec = get_policy_loss("capped_reinforce")
+    assert spec.anchor_for(CFG) == "rollout" and spec.per_token
+    assert spec.bounds_for(CFG) == clip_bounds(CFG) == (0.0, plugin.CAP)
+    assert fused_grad_fallback(CFG, False) is None  # fused_grad serves it chunk by chunk
+
+
+def test_the_loss_is_reinforce_with_the_weight_capped_and_its_metrics_named_after_it(plugin):
+    g = torch.Generator().manual_seed(0)
+    lp, adv = -torch.rand(3, 5, generator=g) - 0.5, torch.randn(3, generator=g)
+    rollout = lp.detach() + torch.linspace(-1.5, 1.5, 15).view(3, 5)  # r = exp(lp - rollout) in [0.22, 4.5]
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    lp.requires_grad_()
+    out = compute_policy_loss(CFG, lp, advantages=adv, loss_mask=mask, rollout_logprobs=rollout)
+    out.loss_sum.backward()
+    weight = (lp.detach() - rollout).exp().clamp(max=plugin.CAP)
+    torch.testing.assert_close(lp.grad, -(weight * adv[:, None]))  # token_mean: a sum, then / tokens later
+    values = out.metrics.values()
+    assert values["capped_reinforce/clip_frac_high"] == pytest.approx(float(((lp - rollout).exp() > 2).float().mean()))
+    assert values["capped_reinforce/clip_frac_low"] == 0.0
+
+
+def test_the_dropin_reports_the_fraction_the_loss_truncates(plugin):
+    mlm.configure(CFG)
+    try:
+        cur = torch.tensor([[-1.0, -1.0, -1.0]])
+        sampler = torch.tensor([[-1.0, -2.0, -3.0]])  # r = 1, e, e^2: the last two above CAP = 2
+        *_, above, below = mlm.calculate_grpo_loss(cur, cur, cur, torch.tensor([1.0]), 0.2, 0.2, 0.0, 0.0,
+                                                   inference_logprobs=sampler)
+        assert above.tolist() == [[False, True, True]] and not below.any()
+    finally:
+        mlm.configure(None)
+
+
+def test_fused_grad_serves_it_without_falling_back_and_equals_the_fused_head(plugin):
+    from megatron_cispo.step import Microbatch
+    from megatron_cispo.step.forward import make_loss_func
+    from megatron_cispo.step.head import FusedHead
+
+    def run(head):
+        g = torch.Generator().manual_seed(3)
+        b, s, h, v = 2, 6, 8, 16
+        hidden = torch.randn(b, s, h, generator=g).requires_grad_()
+        weight = (torch.randn(v, h, generator=g) / h ** 0.5).requires_grad_()
+        mask = torch.rand(b, s, generator=g) > 0.2
+        agg_weight, share, _ = token_weights(mask, "token_mean")
+        mb = Microbatch(targets=torch.randint(0, v, (b, s), generator=g), loss_mask=mask,
+                        advantages=torch.randn(b, s, generator=g), rollout_logprobs=-2.8 + torch.randn(b, s, generator=g),
+                        seq_index=torch.arange(b)[:, None].expand(b, s), n_seqs=b, agg_weight=agg_weight,
+                        agg_share=share, loss_scale=1.0, num_tokens=torch.tensor(b * s), fused=FusedHead(weight, False))
+        loss, _, m = make_loss_func(LossConfig(policy_loss="capped_reinforce", head=head), vocab_size=v)(mb, hidden)
+        loss.backward()
+        return loss.detach(), m.values(), hidden.grad, weight.grad
+
+    want, got = run("fused"), run("fused_grad")
+    assert got[1].pop("head/fused_grad_fallback") == 0.0
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-6)
+    for a, b in zip(got[2:], want[2:]):
+        assert b.abs().max() > 0
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
