@@ -91,3 +91,9 @@ def test_fused_grad_serves_it_without_falling_back_and_equals_the_fused_head(plu
     for a, b in zip(got[2:], want[2:]):
         assert b.abs().max() > 0
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_docs_code_block_is_the_example_verbatim():
+    doc = (EXAMPLES.parent / "algorithm.md").read_text().split("## Adding a loss: a worked plugin", 1)[1]
+    block = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    assert block in (EXAMPLES / "capped_reinforce.py").read_text()
