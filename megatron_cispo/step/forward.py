@@ -46,10 +46,12 @@ def forward_step_for(loss_func, calls: Optional[list] = None, head: str = "logit
     hidden states and the microbatch given to loss_func carries the FusedHead. An MoE model runs
     an all-padding bin without its aux loss (step.moe.no_aux_loss_without_tokens). moe: a
     step.moe.RouterStats, told which microbatch the routers' records belong to. pg_collection: the
-    model's process groups (step/groups.py; default megatron's), for the routes' TP slice."""
-    pg = default_groups(pg_collection)
+    model's process groups (step/groups.py), for the routes' TP slice; default megatron's, as they are
+    at each call (a forward_step built before megatron's parallel state is up still finds them)."""
+    given = None if pg_collection is None else default_groups(pg_collection)  # checked here
 
     def forward_step(data_iterator, model):
+        pg = given if given is not None else default_groups()
         mb = as_microbatch(next(data_iterator))
         if calls is not None:
             calls.append(1)
@@ -112,22 +114,23 @@ def make_loss_func(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_size
     the microbatch runs the other head (head/fused_grad_fallback = 1, logged once).
     Needs calculate_per_token_loss=True. Collectives: token_logprobs' two TP all-reduces, and one
     CP all-reduce per sequence-level quantity (sequence TIS) when cp > 1. pg_collection: the model's
-    process groups (step/groups.py; default megatron's); cp_group, if given, is the CP group instead.
+    process groups (step/groups.py); default megatron's, as they are at each call (a loss_func built
+    before megatron's parallel state is up still finds them); cp_group, if given, is the CP group instead.
     """
-    pg = default_groups(pg_collection)
-    cp = pg.cp if cp_group is None else cp_group
-    cp = cp if size(cp) > 1 else None
+    given_pg = None if pg_collection is None else default_groups(pg_collection)  # checked here
     want_entropy = entropy or loss_cfg.entropy_coef != 0
     fused_grad = loss_cfg.head == "fused_grad"
     logged: list = []
 
     def loss_func(mb: Microbatch, output: Tensor):
+        pg = given_pg if given_pg is not None else default_groups()
+        cp = pg.cp if cp_group is None else cp_group
         mb = as_microbatch(mb)
         if mb.agg_weight is not None and (mb.seq_index is None or mb.n_seqs is None):
             raise ValueError(f"a microbatch with agg_weight needs seq_index and n_seqs (sequence sums), got "
                              f"seq_index={'None' if mb.seq_index is None else 'a tensor'}, n_seqs={mb.n_seqs}; "
                              "build it with step.packing.microbatches, or leave out the normalisation fields")
-        group = cp if mb.agg_weight is not None else None
+        group = cp if mb.agg_weight is not None and size(cp) > 1 else None
 
         given = dict(advantages=mb.advantages, loss_mask=mb.loss_mask, old_logprobs=mb.old_logprobs,
                      rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs,
@@ -186,12 +189,11 @@ def make_forward_step(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_s
     The iterator yields Microbatches (step.microbatch); loss_func is `make_loss_func`'s. The first
     call checks the model config (check_megatron_config: per-token loss and the loop's hooks).
     `calls`, if given, gets one entry per model forward (for tests and benchmarks). pg_collection:
-    the model's process groups (step/groups.py; default megatron's).
+    the model's process groups (step/groups.py; default megatron's, at each call).
     """
-    pg = default_groups(pg_collection)
     loss_func = make_loss_func(loss_cfg, temperature=temperature, vocab_size=vocab_size,
-                               old_from_current=old_from_current, entropy=entropy, pg_collection=pg)
-    step = forward_step_for(loss_func, calls, head=loss_cfg.head, pg_collection=pg)
+                               old_from_current=old_from_current, entropy=entropy, pg_collection=pg_collection)
+    step = forward_step_for(loss_func, calls, head=loss_cfg.head, pg_collection=pg_collection)
     checked: list = []
 
     def forward_step(data_iterator, model):
