@@ -5,9 +5,11 @@
 
 policy_step, compute_logprobs, make_loss_func, make_forward_step and step_layout take
 `pg_collection=` (what megatron-core's models and the Megatron-LM drop-in carry from 0.19 on) and
-hand it to every helper. Without one, `default_groups` builds it once from megatron's parallel_state
-globals: this is the only module under step/ that reads them. A group of None is a single rank
-(megatron's parallel state not initialised: a plain single-process call).
+hand it to every helper. Without one, `default_groups` builds it from megatron's parallel_state
+globals (once per policy_step, compute_logprobs or step_layout call; at each call of the loss_func or
+forward_step that make_loss_func and forward_step_for return, so one built before megatron's
+parallel state is up still finds it): this is the only module under step/ that reads them. A group
+of None is a single rank (megatron's parallel state not initialised: a plain single-process call).
 """
 from __future__ import annotations
 
