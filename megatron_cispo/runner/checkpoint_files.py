@@ -1,4 +1,5 @@
-"""The files of a checkpoint directory: names, durable writes, verification and pruning.
+"""The files of a checkpoint directory: names, markers, verification and pruning (the durable writes
+themselves: base/files.py).
 
     run_dir/checkpoints/step_000010/       # a complete checkpoint (renamed into place whole)
     run_dir/checkpoints/.step_000012.tmp/  # one being written; never read, removed by the next save
@@ -22,6 +23,7 @@ import sys
 from pathlib import Path
 
 import torch
+
 from ..base.files import FAILURES, MarkerError, describe_error, write_durable
 from ..mcore import version_str
 
