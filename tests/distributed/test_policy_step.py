@@ -6,6 +6,7 @@ metrics and the gathered post-step parameters; (1,1,1) is the reference.
 import pytest
 import torch
 
+from groups_helpers import own_groups, watch_parallel_state
 from megatron_cispo.testing import spawn
 
 LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2)]
@@ -36,51 +37,7 @@ def make_batch():
     return tokens, loss_mask, advantages, noise
 
 
-def _own_groups():
-    """A ProcessGroupCollection of new gloo groups with the members of megatron's (tp, pp, cp, tp_cp, dp,
-    dp_cp): other objects than parallel_state's, with the same numbers as the result."""
-    import torch.distributed as dist
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    from megatron_cispo.step.groups import NEEDED
-
-    theirs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=list(NEEDED))
-    mine = {}
-    for name in NEEDED:
-        members = [None] * dist.get_world_size()
-        dist.all_gather_object(members, dist.get_process_group_ranks(getattr(theirs, name)))
-        for ranks in sorted({tuple(m) for m in members}):  # every rank creates every group, in one order
-            group = dist.new_group(list(ranks))
-            if dist.get_rank() in ranks:
-                mine[name] = group
-    return ProcessGroupCollection(**mine)
-
-
-def _watch_parallel_state(seen: list):
-    """Record each call of a parallel_state getter from megatron_cispo's code (the caller's module):
-    megatron-core's own calls pass. Returns the undo."""
-    import inspect
-    import sys
-
-    from megatron.core import parallel_state as mpu
-
-    originals = {name: fn for name, fn in vars(mpu).items()
-                 if inspect.isfunction(fn) and name.startswith(("get_", "is_", "model_parallel_is"))}
-
-    def watched(fn, name):
-        def call(*args, **kwargs):
-            caller = sys._getframe(1).f_globals.get("__name__", "")
-            if caller.startswith("megatron_cispo."):
-                seen.append(f"{caller}: {name}")
-            return fn(*args, **kwargs)
-        return call
-
-    for name, fn in originals.items():
-        setattr(mpu, name, watched(fn, name))
-    return lambda: [setattr(mpu, name, fn) for name, fn in originals.items()]
-
-
-def policy_step_worker(tp, pp, vp=None, layers=4, cases=tuple(CASES), micro=2, own_groups=False):
+def policy_step_worker(tp, pp, vp=None, layers=4, cases=tuple(CASES), micro=2, hand_in=False):
     from megatron.core import parallel_state as mpu
 
     from megatron_cispo.runner import distributed
@@ -95,15 +52,15 @@ def policy_step_worker(tp, pp, vp=None, layers=4, cases=tuple(CASES), micro=2, o
     dp_rank, dp = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
     out = {}
     runs = [(name, name, None) for name in cases]
-    if own_groups:  # one case again, every group handed in (step/groups.py)
-        runs.append(("own_groups", "rollout_two_steps_token_mean", _own_groups()))
+    if hand_in:  # one case again, every group handed in (step/groups.py)
+        runs.append(("own_groups", "rollout_two_steps_token_mean", own_groups()))
     for key, name, pg in runs:
         loss_over, step_kw = CASES[name]
         chunks = build_model(mcfg, tp=tp, pp=pp, vp=vp, seed=3)
         opt = build_optimizer(chunks, lr=0.1, optimizer="sgd", clip_grad=1.0)
         ref = build_model(mcfg, tp=tp, pp=pp, vp=vp, seed=5, wrap_ddp=False) if "ref" in name else None
         seen: list = []  # from here to policy_step's end, with groups handed in: no global read of ours
-        undo = _watch_parallel_state(seen) if pg is not None else (lambda: None)
+        undo = watch_parallel_state(seen) if pg is not None else (lambda: None)
         full = Rollouts(tokens=tokens, loss_mask=loss_mask, advantages=adv, rollout_logprobs=noise)
         shard = full.dp_shard(dp_rank=dp_rank, dp=dp, minibatches=N // step_kw.get("minibatch_size", N))
         current = compute_logprobs(chunks, shard, StepConfig(micro_batch_size=micro), pg_collection=pg)

@@ -12,10 +12,13 @@ The routes travel through Rollouts.dp_shard, packing (THD), CP's load-balanced c
 slice and the pipeline stages (each stage's routers get their layers' routes).
 3. dp2 with a bad route on DP rank 1: both ranks raise BadRoutes with one message naming the
    global sample index (not rank 1's local row).
+In tp2_sp and cp2 the step runs on process groups handed in (groups_helpers.own_groups), and no
+parallel_state getter is called from megatron_cispo's code inside policy_step.
 """
 import pytest
 import torch
 
+from groups_helpers import own_groups, watch_parallel_state
 from moe_helpers import AUX_COEFF, BUDGET, EXPERTS, LENGTHS, S, TOL, TOPK, Z_COEFF, _build, _routers, make_batch
 from megatron_cispo.testing import spawn
 
@@ -46,7 +49,7 @@ def _router_check(chunks, tally: list):
     return [r.register_forward_hook(hook) for r in _routers(chunks)]
 
 
-def worker(layout: dict, routes: dict, runs: tuple):
+def worker(layout: dict, routes: dict, runs: tuple, hand_in: bool = False):
     from megatron.core import parallel_state as mpu
 
     from megatron_cispo.config import LossConfig, from_dict
@@ -57,6 +60,7 @@ def worker(layout: dict, routes: dict, runs: tuple):
     tp, cp, sp, ep, pp = (layout.get(k, d) for k, d in (("tp", 1), ("cp", 1), ("sp", False), ("ep", 1), ("pp", 1)))
     distributed.init_distributed(tp=tp, pp=pp, cp=cp, ep=ep)
     tokens, lengths, loss_mask, adv, noise = make_batch()
+    pg = own_groups() if hand_in else None  # every group handed in (step/groups.py), no global read of ours
     out = {}
     if routes is None:  # the one-process reference: record the model's own routes first
         chunks, _ = _build(aux=AUX_COEFF, z=Z_COEFF, lr=1.0, layers=LAYERS)
@@ -80,14 +84,18 @@ def worker(layout: dict, routes: dict, runs: tuple):
         batch = batch.dp_shard(dp_rank=mpu.get_data_parallel_rank(), dp=mpu.get_data_parallel_world_size())
         step_cfg = StepConfig(micro_batch_size=2, max_tokens_per_microbatch=BUDGET if packed == "packed" else None)
         loss_cfg = from_dict(LossConfig, {"cispo": {"anchor": "rollout"}, "routing_replay": "rollout"})
+        seen: list = []
+        undo = watch_parallel_state(seen) if hand_in else (lambda: None)
         try:
-            metrics = policy_step(chunks, opt, batch, loss_cfg, step_cfg)
+            metrics = policy_step(chunks, opt, batch, loss_cfg, step_cfg, pg_collection=pg)
         except ValueError as e:
             out[run] = f"{type(e).__name__}: {e}"
             continue
+        finally:
+            undo()
         for h in hooks:
             h.remove()
-        out[run] = {"metrics": metrics, "state": gather_full_state(chunks),
+        out[run] = {"metrics": metrics, "state": gather_full_state(chunks), "globals_read": seen,
                     "differs": sum(t for t in tally if t >= 0), "checked": -sum(t for t in tally if t < 0)}
     return out
 
@@ -116,10 +124,12 @@ def test_one_process_replays_recorded_and_random_routes():
 def test_layouts_follow_the_routes_and_match_one_process(name):
     ref = reference()
     runs = RUNS if name != "cp2" else RUNS[:2]
-    results = spawn(worker, 2, (LAYOUTS[name], ref["routes"], runs), timeout_s=400)
+    hand_in = name in ("tp2_sp", "cp2")  # the step on groups handed in: the routes' SP slice, the TP x CP sums
+    results = spawn(worker, 2, (LAYOUTS[name], ref["routes"], runs, hand_in), timeout_s=400)
     for rank, res in enumerate(results):
         for run in runs:
             r, want = res[run], ref[run]
+            assert not hand_in or r["globals_read"] == [], f"{name} rank {rank} {run}: {r['globals_read']}"
             assert r["differs"] == 0, f"{name} rank {rank} {run}: {r['differs']} tokens off their route"
             if not (name == "pp2" and rank == 0):  # pp2: rank 0 holds layer 1 only, still routed
                 assert r["checked"] > 0, f"{name} rank {rank} {run}: no routed token reached a router"
