@@ -25,6 +25,7 @@ from .compute import compute_policy_loss, per_token_policy_loss
 from .metrics import Metrics
 from .registry import check_loss_config
 
+
 def fused_grad_fallback(cfg: LossConfig, old_from_current: bool, *, cp_size: int = 1,
                         kept_set: bool = False) -> Optional[str]:
     """Why this loss's gradient cannot be formed chunk by chunk (so loss.head=fused_grad falls back

@@ -24,8 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..schema import ConfigError
-from .groups import default_groups, size
-from .groups import rank as group_rank
+from .groups import default_groups, rank, size
 from .reduce import all_reduce_in
 
 _ATTR = "_cispo_layer_replays"  # cache of a model chunk's LayerReplays
@@ -188,7 +187,7 @@ def recomputes_router(config, block_index: Optional[int] = None) -> bool:
     return granularity == "selective" and "moe" in (config.recompute_modules or ())
 
 
-def local_routes(routes: Tensor, padding_mask: Optional[Tensor], config, tp_group=None) -> tuple[Tensor, Tensor]:
+def local_routes(routes: Tensor, padding_mask: Optional[Tensor], config, tp_group) -> tuple[Tensor, Tensor]:
     """A microbatch's routes [b, s, L, k] and padding [b, s] (True = pad) as the router sees its
     tokens: [s_local * b, L, k] and valid [s_local * b], s-major, this TP rank's sequence slice
     under sequence parallelism (the MoE layer routes its [s/tp, b, h] shard). tp_group: the model's."""
@@ -197,8 +196,8 @@ def local_routes(routes: Tensor, padding_mask: Optional[Tensor], config, tp_grou
              else ~padding_mask.transpose(0, 1).bool())
     tp = size(tp_group)
     if config.sequence_parallel and tp > 1:
-        part, rank = routes.shape[0] // tp, group_rank(tp_group)
-        routes, valid = routes[rank * part:(rank + 1) * part], valid[rank * part:(rank + 1) * part]
+        part, tp_rank = routes.shape[0] // tp, rank(tp_group)
+        routes, valid = routes[tp_rank * part:(tp_rank + 1) * part], valid[tp_rank * part:(tp_rank + 1) * part]
     return routes.reshape(-1, *routes.shape[2:]).long(), valid.reshape(-1)  # gather takes int64
 
 
@@ -282,7 +281,7 @@ class RoutingReplay:
         """Exact global fractions: SUM over TP x CP (this rank's tokens; without sequence parallel
         the TP ranks route the same tokens and only TP rank 0 counts), PP, then DP. One host sync."""
         count = torch.zeros(len(moe_layer_numbers(self.config)), 3, dtype=torch.float64, device=self.device)
-        if self.config.sequence_parallel or group_rank(self.pg.tp) == 0:
+        if self.config.sequence_parallel or rank(self.pg.tp) == 0:
             for layer in self.layers:
                 count[layer.moe_index] += layer.counts
         for group in (self.pg.tp_cp, self.pg.pp, self.pg.dp):

@@ -10,8 +10,9 @@ from megatron_cispo.config import LossConfig
 from megatron_cispo.integrations import megatron_lm as mlm
 from megatron_cispo.integrations.megatron_lm.dropin import clip_bounds
 from megatron_cispo.integrations.plugins import load_plugins
-from megatron_cispo.losses import compute_policy_loss, get_policy_loss, registry, token_weights
+from megatron_cispo.losses import compute_policy_loss, get_policy_loss, registry
 from megatron_cispo.losses.token_grad import fused_grad_fallback
+from test_token_grad import assert_fused_grad_equals_fused  # _step_case's microbatch, both heads
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 CFG = LossConfig(policy_loss="capped_reinforce")
@@ -66,31 +67,7 @@ def test_the_dropin_reports_the_fraction_the_loss_truncates(plugin):
 
 
 def test_fused_grad_serves_it_without_falling_back_and_equals_the_fused_head(plugin):
-    from megatron_cispo.step import Microbatch
-    from megatron_cispo.step.forward import make_loss_func
-    from megatron_cispo.step.head import FusedHead
-
-    def run(head):
-        g = torch.Generator().manual_seed(3)
-        b, s, h, v = 2, 6, 8, 16
-        hidden = torch.randn(b, s, h, generator=g).requires_grad_()
-        weight = (torch.randn(v, h, generator=g) / h ** 0.5).requires_grad_()
-        mask = torch.rand(b, s, generator=g) > 0.2
-        agg_weight, share, _ = token_weights(mask, "token_mean")
-        mb = Microbatch(targets=torch.randint(0, v, (b, s), generator=g), loss_mask=mask,
-                        advantages=torch.randn(b, s, generator=g), rollout_logprobs=-2.8 + torch.randn(b, s, generator=g),
-                        seq_index=torch.arange(b)[:, None].expand(b, s), n_seqs=b, agg_weight=agg_weight,
-                        agg_share=share, loss_scale=1.0, num_tokens=torch.tensor(b * s), fused=FusedHead(weight, False))
-        loss, _, m = make_loss_func(LossConfig(policy_loss="capped_reinforce", head=head), vocab_size=v)(mb, hidden)
-        loss.backward()
-        return loss.detach(), m.values(), hidden.grad, weight.grad
-
-    want, got = run("fused"), run("fused_grad")
-    assert got[1].pop("head/fused_grad_fallback") == 0.0
-    torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-6)
-    for a, b in zip(got[2:], want[2:]):
-        assert b.abs().max() > 0
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert_fused_grad_equals_fused({"policy_loss": "capped_reinforce"})
 
 
 def test_the_docs_code_block_is_the_example_verbatim():

@@ -198,6 +198,11 @@ def test_a_plugin_that_declares_per_token_runs_fused_grad_without_falling_back()
     _register_once("token_grad_test_per_token", per_token=True)
     over = {"policy_loss": "token_grad_test_per_token"}
     assert fused_grad_fallback(cfg_of(**over), False) is None
+    assert_fused_grad_equals_fused(over)
+
+
+def assert_fused_grad_equals_fused(over: dict) -> None:
+    """fused_grad on _step_case's microbatch: no fallback counted, and the fused head's value and gradients."""
     want, got = _step_case("fused", over), _step_case("fused_grad", over)
     assert got[1].pop(KEY_FALLBACK) == 0.0
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-6)
