@@ -101,7 +101,8 @@ class PromptSampler(Sampler):
 
         name = "eval_reward" if held_out else "reward"
         if getattr(self, name) is None:
-            setattr(self, name, RewardRunner(self.exp.data.reward, timeout_s=self.exp.data.reward_timeout_s))
+            setattr(self, name, RewardRunner(self.exp.data.reward, timeout_s=self.exp.data.reward_timeout_s,
+                                             workers=self.exp.data.reward_workers))
         runner = getattr(self, name)
         g = group or self.cfg.group_size
         records = [p.record for p in prompts for _ in range(g)]

@@ -26,6 +26,7 @@ import inspect
 import math
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,38 +108,26 @@ class RewardResult:
 
 
 class RewardRunner:
-    """Scores completions with the function of `spec`, each call limited to `timeout_s` seconds."""
+    """Scores completions with the function of `spec`, each call limited to `timeout_s` seconds, on
+    `workers` worker processes at once (data.reward_workers): samples go to whichever is free, so N
+    workers score a step in about 1/N of one worker's time when the reward, not the pipe, is slow."""
 
-    def __init__(self, spec: str, *, timeout_s: float):
+    def __init__(self, spec: str, *, timeout_s: float, workers: int = 1):
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0 and math.isfinite(timeout_s)):
             raise ValueError(f"reward timeout_s={timeout_s!r}: expected a finite number of seconds > 0")
-        load_reward(spec)  # refuse a bad spec here, in one line, before the worker exists
+        if not (isinstance(workers, int) and workers >= 1):
+            raise ValueError(f"reward workers={workers!r}: expected an integer >= 1")
+        load_reward(spec)  # refuse a bad spec here, in one line, before the workers exist
         target, _, name = spec.rpartition(":")
         self.spec = f"{Path(target).absolute()}:{name}" if target.endswith(".py") else spec
         self.timeout_s = float(timeout_s)
-        self._proc: subprocess.Popen | None = None
-        self._start()
-
-    def _start(self, end: float = math.inf) -> None:
-        """Start the worker and wait until it has loaded the spec: ValueError when it fails (or takes
-        START_TIMEOUT_S), TimeoutError (the worker killed) when time.monotonic() passes `end` first."""
-        self._proc = start(_WORKER, (self.spec, list(sys.path)))
-        limit = time.monotonic() + START_TIMEOUT_S
+        self._slots = [_Worker(self.spec, self.timeout_s) for _ in range(workers)]
         try:
-            kind, detail = recv(self._proc.stdout.fileno(), min(limit, end))
-        except (TimeoutError, EOFError) as e:
-            if isinstance(e, TimeoutError) and end < limit:
-                self._stop()
-                raise
-            kind, detail = "error", f"the worker did not start within {START_TIMEOUT_S:.0f} s or exited"
-        if kind != "ready":
+            for slot in self._slots:  # all import the reward at once; each waits for its own
+                slot.ready()
+        except BaseException:
             self.close()
-            raise ValueError(f"data.reward={self.spec!r}: in the reward worker, {detail}")
-
-    def _stop(self) -> None:
-        self._proc.kill()
-        self._proc.wait()
-        self._proc = None
+            raise
 
     def score(self, records: list[dict], completions: list[str], token_ids: list[list[int]], *,
               finish_reasons: list[str | None] | None = None, budget_s: float | None = None) -> RewardResult:
@@ -154,12 +143,30 @@ class RewardRunner:
             raise ValueError(f"score: budget_s={budget_s!r}: expected None or a finite number of seconds >= 0")
         end = math.inf if budget_s is None else time.monotonic() + budget_s
         spent = f"the step's reward budget of {budget_s:g} s was spent" if budget_s is not None else ""
+        samples = list(zip(records, completions, [list(map(int, t)) for t in token_ids], reasons))
+        outcomes: list[tuple[str, object]] = [("error", "not scored")] * len(samples)
+        todo = iter(range(len(samples)))
+        lock = threading.Lock()
+
+        def drain(slot: _Worker) -> None:  # one thread per worker: the next sample not yet taken, until none
+            while True:
+                with lock:
+                    i = next(todo, None)
+                if i is None:
+                    return
+                outcomes[i] = (("timeout", f"not scored: {spent}") if time.monotonic() >= end
+                               else slot.one(samples[i], end, spent))
+
+        if len(self._slots) == 1 or len(samples) <= 1:
+            drain(self._slots[0])
+        else:
+            threads = [threading.Thread(target=drain, args=(slot,), daemon=True) for slot in self._slots]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
         res = RewardResult(rewards=[], errors=0, timeouts=0, non_numbers=0, first_failure=None)
-        for i, sample in enumerate(zip(records, completions, [list(map(int, t)) for t in token_ids], reasons)):
-            if time.monotonic() >= end:
-                kind, detail = "timeout", f"not scored: {spent}"
-            else:
-                kind, detail = self._one(sample, end, spent)
+        for i, (kind, detail) in enumerate(outcomes):
             if kind == "ok":
                 res.rewards.append(detail)
                 continue
@@ -168,40 +175,13 @@ class RewardRunner:
             res.timeouts += kind == "timeout"
             res.non_numbers += kind == "non_number"
             if res.first_failure is None:
-                res.first_failure = f"reward {self.spec} on sample {i} (record {repr(sample[0])[:80]}): {detail}"
+                res.first_failure = f"reward {self.spec} on sample {i} (record {repr(samples[i][0])[:80]}): {detail}"
         return res
 
-    def _one(self, sample, end: float, spent: str) -> tuple[str, object]:
-        """The worker's (kind, value) for one sample, waiting until its timeout or `end`, whichever
-        comes first; (re)starts the worker first when needed."""
-        t0, by_budget = time.monotonic(), True  # a start times out only at `end`
-        try:
-            if self._proc is None:
-                self._start(end)
-            deadline = time.monotonic() + self.timeout_s
-            by_budget = end < deadline
-            send(self._proc.stdin, sample)
-            return recv(self._proc.stdout.fileno(), min(deadline, end))
-        except TimeoutError:
-            if self._proc is not None:
-                self._stop()
-            return "timeout", (f"stopped after {time.monotonic() - t0:.1f} s: {spent}" if by_budget else
-                               f"timed out after {self.timeout_s:g} s")
-        except (EOFError, BrokenPipeError, ValueError) as e:
-            code = self._proc.wait() if self._proc is not None else None
-            self._proc = None
-            return "error", f"the reward worker exited (code {code})" if code is not None else str(e)
-
     def close(self) -> None:
-        """End the worker (it also ends when this process does: PR_SET_PDEATHSIG)."""
-        if self._proc is not None:
-            self._proc.stdin.close()
-            try:
-                self._proc.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-            self._proc = None
+        """End the workers (they also end when this process does: PR_SET_PDEATHSIG)."""
+        for slot in getattr(self, "_slots", []):
+            slot.close()
 
     def __enter__(self):
         return self
@@ -210,5 +190,66 @@ class RewardRunner:
         self.close()
 
     def __del__(self) -> None:
-        if getattr(self, "_proc", None) is not None:
-            self._stop()
+        for slot in getattr(self, "_slots", []):
+            if slot.proc is not None:
+                slot.stop()
+
+
+class _Worker:
+    """One reward worker process: started at once, restarted after a timeout or a crash."""
+
+    def __init__(self, spec: str, timeout_s: float):
+        self.spec, self.timeout_s = spec, timeout_s
+        self.proc: subprocess.Popen | None = start(_WORKER, (spec, list(sys.path)))
+
+    def ready(self, end: float = math.inf) -> None:
+        """Wait until the worker has loaded the spec: ValueError when it fails (or takes START_TIMEOUT_S),
+        TimeoutError (the worker killed) when time.monotonic() passes `end` first."""
+        limit = time.monotonic() + START_TIMEOUT_S
+        try:
+            kind, detail = recv(self.proc.stdout.fileno(), min(limit, end))
+        except (TimeoutError, EOFError) as e:
+            if isinstance(e, TimeoutError) and end < limit:
+                self.stop()
+                raise
+            kind, detail = "error", f"the worker did not start within {START_TIMEOUT_S:.0f} s or exited"
+        if kind != "ready":
+            self.close()
+            raise ValueError(f"data.reward={self.spec!r}: in the reward worker, {detail}")
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.proc = None
+
+    def one(self, sample, end: float, spent: str) -> tuple[str, object]:
+        """The worker's (kind, value) for one sample, waiting until its timeout or `end`, whichever
+        comes first; (re)starts the worker first when needed."""
+        t0, by_budget = time.monotonic(), True  # a start times out only at `end`
+        try:
+            if self.proc is None:
+                self.proc = start(_WORKER, (self.spec, list(sys.path)))
+                self.ready(end)
+            deadline = time.monotonic() + self.timeout_s
+            by_budget = end < deadline
+            send(self.proc.stdin, sample)
+            return recv(self.proc.stdout.fileno(), min(deadline, end))
+        except TimeoutError:
+            if self.proc is not None:
+                self.stop()
+            return "timeout", (f"stopped after {time.monotonic() - t0:.1f} s: {spent}" if by_budget else
+                               f"timed out after {self.timeout_s:g} s")
+        except (EOFError, BrokenPipeError, ValueError) as e:
+            code = self.proc.wait() if self.proc is not None else None
+            self.proc = None
+            return "error", f"the reward worker exited (code {code})" if code is not None else str(e)
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None

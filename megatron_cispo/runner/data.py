@@ -168,6 +168,9 @@ class DataConfig:
         "call longer than reward_timeout_s is counted per step (reward/errors, reward/timeouts, "
         "reward/non_numbers), named in one line, and that sample is left out of the loss.")
     reward_timeout_s: float = config_field(10.0, "Seconds one reward call may take.")
+    reward_workers: int = config_field(
+        1, "Worker processes that score a step's samples at the same time (each sample goes to a free one), "
+        "for a reward slower than its pipe: a verifier, a sandbox, a judge.")
     eval_prompts: Optional[str] = config_field(
         None, "Held-out prompts (JSONL or Parquet, the fields of data.prompts), scored by data.reward on the "
         "engine at run.eval_interval; never trained on (a prompt also in data.prompts is refused at --check). "
@@ -185,6 +188,8 @@ class DataConfig:
             raise ValueError(f"data.max_prompt_tokens must be >= 1 (or null), got {self.max_prompt_tokens}")
         if not 0 < self.reward_timeout_s < math.inf:
             raise ValueError(f"data.reward_timeout_s must be finite and > 0, got {self.reward_timeout_s}")
+        if self.reward_workers < 1:
+            raise ValueError(f"data.reward_workers must be >= 1, got {self.reward_workers}")
         if self.prompts is not None and not self.reward:
             raise ValueError("data.prompts needs data.reward: 'package.module:function' or 'file.py:function' "
                              "(e.g. megatron_cispo.rollout.arith:exact_match)")

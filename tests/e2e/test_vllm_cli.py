@@ -37,7 +37,8 @@ if importlib.util.find_spec("vllm") is None:
 FAST = ["rollout.precision=fp32", "rollout.staleness=0", "rollout.prompts_per_step=4", "rollout.group_size=4",
         "parallelism.micro_batch_size=8", "parallelism.tp=1", "parallelism.sequence_parallel=false",
         "run.log_interval=1", "run.tensorboard=false", "run.checkpoint_interval=0", "optimizer.lr=1e-2",
-        "rollout.sync_bucket_mb=0.02", "data.eval_prompts=null"]  # about 20 KiB: 15 buckets of the 285 KB model
+        "rollout.sync_bucket_mb=0.02", "data.eval_prompts=null",  # about 20 KiB: 15 buckets of the 285 KB model
+        "optimizer.schedule=constant"]  # the demo decays over its run.steps; these runs change run.steps on resume
 MIN_BUCKETS = 10
 
 

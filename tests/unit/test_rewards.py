@@ -29,6 +29,13 @@ def by_kind(record, completion, token_ids):
             "true": True, "false": False, "np": np.float32(0.25), "npbool": np.bool_(True),
             "int": 2, "sleep": 1.0}[kind]
 
+def timed(record, completion, token_ids):
+    t0 = time.time()
+    time.sleep(record["s"])
+    with open(record["log"], "a") as f:
+        f.write(f"{os.getpid()} {t0} {time.time()}\\n")
+    return float(record["i"])
+
 def two(record, completion):
     return completion == record["answer"]
 
@@ -114,7 +121,7 @@ def test_first_failure_names_the_function_the_sample_and_the_cause_in_one_line(r
 
 def test_a_timeout_stops_waiting_on_a_reward_that_sleeps_10_s(rewards_py):
     with RewardRunner(f"{rewards_py}:by_kind", timeout_s=0.5) as runner:
-        pid = runner._proc.pid
+        pid = runner._slots[0].proc.pid
         start = time.monotonic()
         res = _score(runner, ["sleep"])
         elapsed = time.monotonic() - start
@@ -180,6 +187,38 @@ def test_a_spec_that_cannot_be_used_is_refused_in_one_line(rewards_py, spec, exp
 def test_a_timeout_that_is_not_a_positive_number_is_refused(timeout):
     with pytest.raises(ValueError, match="reward timeout_s=.*: expected a finite number of seconds > 0"):
         RewardRunner("megatron_cispo.rollout.arith:exact_match", timeout_s=timeout)
+
+
+def _timed(log, n, seconds):
+    return [{"log": str(log), "i": i, "s": seconds} for i in range(n)]
+
+
+def test_several_workers_score_at_the_same_time_and_keep_the_samples_order(rewards_py, tmp_path):
+    """data.reward_workers=4: 8 samples of 0.4 s go to whichever worker is free; the results come back in
+    the samples' order, and calls from different workers overlap in time (seen in the calls' own log)."""
+    log = tmp_path / "calls.log"
+    with RewardRunner(f"{rewards_py}:timed", timeout_s=10, workers=4) as runner:
+        records = _timed(log, 8, 0.4)
+        res = runner.score(records, ["x"] * 8, [[1]] * 8)
+    assert res.rewards == [float(i) for i in range(8)] and res.errors == res.timeouts == 0
+    calls = [(int(pid), float(a), float(b)) for pid, a, b in (line.split() for line in log.read_text().splitlines())]
+    assert len(calls) == 8 and len({pid for pid, _, _ in calls}) >= 2
+    assert any(p != q and a < d and c < b for p, a, b in calls for q, c, d in calls), calls  # two at once
+
+
+def test_a_worker_that_times_out_is_restarted_while_the_others_go_on(rewards_py):
+    with RewardRunner(f"{rewards_py}:by_kind", timeout_s=0.5, workers=2) as runner:
+        res = _score(runner, ["len", "sleep", "int", "len", "true"])
+        again = _score(runner, ["len"] * 4)
+    assert res.rewards == [3.0, None, 2.0, 3.0, 1.0] and res.timeouts == 1 and res.errors == 0
+    assert res.first_failure == f"reward {rewards_py}:by_kind on sample 1 (record {{'kind': 'sleep'}}): timed out after 0.5 s"
+    assert again.rewards == [3.0] * 4
+
+
+@pytest.mark.parametrize("workers", [0, -1, "2", 1.5])
+def test_a_worker_count_that_is_not_a_positive_integer_is_refused(workers):
+    with pytest.raises(ValueError, match=f"reward workers={workers!r}: expected an integer >= 1"):
+        RewardRunner("megatron_cispo.rollout.arith:exact_match", timeout_s=1, workers=workers)
 
 
 def test_exact_match_strips_whitespace_and_special_tokens_only():
