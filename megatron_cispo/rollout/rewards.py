@@ -4,18 +4,20 @@ function with a parameter named `finish_reason` is also given how the sample end
 or stop token, the last of token_ids) or "length" (cut at rollout.max_new_tokens), None when unknown.
 The completion is decoded without special tokens, so its text cannot show whether the sample ended.
 
-    runner = RewardRunner("megatron_cispo.rollout.arith:exact_match", timeout_s=10.0)
+    runner = RewardRunner("megatron_cispo.rollout.arith:exact_match", timeout_s=10.0, workers=1)
     result = runner.score(records, completions, token_ids, finish_reasons=reasons, budget_s=60)   # None where it failed
     runner.close()
 
-The function runs in a worker process (reward_worker.py, started once, restarted after a
-timeout or a crash), not under SIGALRM in the trainer: a timer cannot interrupt C code that holds
-the GIL, needs the main thread and would share the process's signal state with runner/preempt.py
+The function runs in worker processes (reward_worker.py; `workers` of them score samples at the
+same time, each started once and restarted after a timeout or a crash), not under SIGALRM in the
+trainer: a timer cannot interrupt C code that holds the GIL, needs the main thread and would share
+the process's signal state with runner/preempt.py
 (and with rewards such as math-verify that set their own alarm); a process can always be killed,
 so a timeout really stops waiting, and a crash or os._exit in the reward cannot end the run. The
 cost: records, completions and results are pickled over a pipe (tens of microseconds a sample), the
 module is imported twice (here, to check the spec, and in the worker), and each timeout restarts
-the worker (its import time, outside the per-sample timeout, inside the call's budget). Not thread-safe: one caller at a time.
+the worker (its import time, outside the per-sample timeout, inside the call's budget). Not
+thread-safe: one caller at a time.
 """
 from __future__ import annotations
 
@@ -121,8 +123,10 @@ class RewardRunner:
         target, _, name = spec.rpartition(":")
         self.spec = f"{Path(target).absolute()}:{name}" if target.endswith(".py") else spec
         self.timeout_s = float(timeout_s)
-        self._slots = [_Worker(self.spec, self.timeout_s) for _ in range(workers)]
+        self._slots: list[_Worker] = []
         try:
+            for _ in range(workers):
+                self._slots.append(_Worker(self.spec, self.timeout_s))
             for slot in self._slots:  # all import the reward at once; each waits for its own
                 slot.ready()
         except BaseException:
