@@ -35,6 +35,7 @@ import torch.distributed as dist
 from ..hf.export import write_hf_dir
 from ..hf.mapping import to_hf
 from ..base.param_names import canonical_names
+from ..rollout.vllm_options import engine_len
 from .metrics import say
 from .prompt_sources import RolloutFailed, Sources, _pause_for_tests, _seed, eos_ids, open_prompts, rows_to_batch
 from .sampler import Batch, Sampler
@@ -120,9 +121,12 @@ class PromptSampler(Sampler):
         from ..rollout.vllm_engine import VLLMEngine
 
         r = self.cfg
-        self.engine_ = VLLMEngine(model_dir, precision=r.precision, seed=self.seed, max_model_len=self.model_cfg.seq_length,
+        options = {k: v for k, v in r.vllm.items() if k != "max_model_len"}  # rollout.vllm, checked at --check
+        self.engine_ = VLLMEngine(model_dir, precision=r.precision, seed=self.seed,
+                                  max_model_len=engine_len(r.vllm, self.model_cfg.seq_length),
                                   kept_sets=r.top_k > 0 or r.top_p < 1, start_timeout_s=self.limit_s / 2,
-                                  call_timeout_s=self.limit_s / 2, log_path=str(self.log), stream=stream)
+                                  call_timeout_s=self.limit_s / 2, log_path=str(self.log), stream=stream,
+                                  engine_kwargs=options)
         return {"rollout/engine_start_s": self.engine_.start_seconds}
 
     def _stream_to_engine(self, version: int) -> tuple[dict, Optional[str]]:

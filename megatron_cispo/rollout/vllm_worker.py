@@ -46,9 +46,10 @@ def _build(cfg: dict):
 
         register()
         extra = {"weight_transfer_config": {"backend": BACKEND}, "load_format": "dummy"}
-    return LLM(model=cfg["model_dir"], skip_tokenizer_init=True, enforce_eager=True, dtype=cfg["dtype"],
-               distributed_executor_backend="uni", logprobs_mode="processed_logprobs", max_logprobs=-1,
-               max_model_len=cfg["max_model_len"], seed=cfg["seed"], **{**extra, **cfg["engine_kwargs"]})
+    kwargs = dict(model=cfg["model_dir"], skip_tokenizer_init=True, enforce_eager=True, dtype=cfg["dtype"],
+                  distributed_executor_backend="uni", logprobs_mode="processed_logprobs", max_logprobs=-1,
+                  max_model_len=cfg["max_model_len"], seed=cfg["seed"], **extra)
+    return LLM(**{**kwargs, **cfg["engine_kwargs"]})  # rollout.vllm (vllm_options.py) may turn enforce_eager off
 
 
 def _check_reload(llm) -> None:

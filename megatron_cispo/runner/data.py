@@ -13,9 +13,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from ..config import check_field_types, config_field
+from ..rollout.vllm_options import check_options, engine_len
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +60,11 @@ class RolloutConfig:
         "most rollout.staleness (it waits for newer weights: rollout/engine_wait_frac); drop = the engine never "
         "waits for weights, keeping staleness + 1 batches ahead, and a batch that lags more than staleness when "
         "its step comes is not trained on (rollout/dropped_batches counts them, their prompts are not re-used).")
+    vllm: dict[str, Any] = config_field(
+        doc="rollout.engine=vllm: more keywords for vllm.LLM (EngineArgs fields), e.g. gpu_memory_utilization "
+        "on a GPU shared with the trainer, max_model_len (at most model.seq_length; the prompts' limit follows "
+        "it), enforce_eager: false. Keys set from other settings (dtype, seed, ...) and unknown keys are refused "
+        "at --check, in one line.", factory=dict)
     sync_bucket_mb: float = config_field(
         256.0, "Bucket size of rollout.sync=stream in MiB: what one send carries (a tensor larger than one is "
         "sent in row blocks).")
@@ -97,6 +103,9 @@ class RolloutConfig:
             raise ValueError(f"rollout.sync_bucket_mb must be finite and > 0, got {self.sync_bucket_mb}")
         if not 0 < self.temperature < math.inf:
             raise ValueError(f"rollout.temperature must be finite and > 0, got {self.temperature}")
+        if self.vllm and self.engine != "vllm":
+            raise ValueError(f"rollout.vllm holds options for vLLM's engine; rollout.engine is {self.engine!r}: "
+                             "remove rollout.vllm or set rollout.engine: vllm")
         if self.mode == "async" and self.engine != "vllm":
             raise ValueError(f"rollout.mode='async' generates beside the trainer, which rollout.engine='vllm' does "
                              f"(its own process); the {self.engine!r} engine samples inside the trainer's step: "
@@ -214,19 +223,32 @@ def check_data_rollout(data: DataConfig, rollout, model) -> None:
     if rollout.credit == "token":
         raise ValueError("rollout.credit='token' needs the synthetic task's per-position correctness; "
                          "with data.prompts use credit: sequence")
-    longest = model.seq_length - rollout.max_new_tokens
+    if rollout.vllm:
+        check_options(rollout.vllm)
+        if engine_len(rollout.vllm, model.seq_length) > model.seq_length:
+            raise ValueError(f"rollout.vllm.max_model_len={rollout.vllm['max_model_len']} exceeds model.seq_length="
+                             f"{model.seq_length}, the longest row the trainer trains; lower it (or remove it)")
+    length, where = _engine_length(rollout, model)
+    longest = length - rollout.max_new_tokens
     if longest < 1:
         raise ValueError(f"rollout.max_new_tokens={rollout.max_new_tokens} leaves no room for a prompt in "
-                         f"model.seq_length={model.seq_length}; lower rollout.max_new_tokens")
+                         f"{where}={length}; lower rollout.max_new_tokens")
     if data.max_prompt_tokens is not None and data.max_prompt_tokens > longest:
         raise ValueError(f"data.max_prompt_tokens={data.max_prompt_tokens} + rollout.max_new_tokens="
-                         f"{rollout.max_new_tokens} exceeds model.seq_length={model.seq_length}; lower either")
+                         f"{rollout.max_new_tokens} exceeds {where}={length}; lower either")
+
+
+def _engine_length(rollout, model) -> tuple[int, str]:
+    """The longest row (prompt + completion) the engine serves, and the setting it comes from."""
+    if "max_model_len" in rollout.vllm:
+        return engine_len(rollout.vllm, model.seq_length), "rollout.vllm.max_model_len"
+    return model.seq_length, "model.seq_length"
 
 
 def prompt_limit(data: DataConfig, rollout, model) -> tuple[int, str]:
     """The longest prompt a run accepts and where that comes from: data.max_prompt_tokens, else what the
-    sequence length leaves."""
+    engine's length (rollout.vllm.max_model_len, else model.seq_length) leaves."""
     if data.max_prompt_tokens is not None:
         return data.max_prompt_tokens, "data.max_prompt_tokens"
-    return model.seq_length - rollout.max_new_tokens, (f"model.seq_length - rollout.max_new_tokens = "
-                                                       f"{model.seq_length} - {rollout.max_new_tokens}")
+    length, where = _engine_length(rollout, model)
+    return length - rollout.max_new_tokens, f"{where} - rollout.max_new_tokens = {length} - {rollout.max_new_tokens}"

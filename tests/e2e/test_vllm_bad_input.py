@@ -65,6 +65,19 @@ def test_prompt_file_and_reward_problems_are_one_line_each(capsys, model, tmp_pa
         ([f"data.eval_prompts={_jsonl(tmp_path / 'seen.jsonl', [held, trained])}"],
          f"row 1 ({trained['prompt']!r}) is also in data.prompts: held-out prompts must never be trained on"),
     ]
+    cases += [  # rollout.vllm: keys megatron_cispo sets, one engine process, the trainer's row length
+        (["rollout.vllm.dtype=bfloat16"], "rollout.vllm.dtype is set by megatron_cispo (from rollout.precision"),
+        (["rollout.vllm.logprobs_mode=raw_logprobs"], "rollout.vllm.logprobs_mode is set by megatron_cispo"),
+        (["rollout.vllm.tensor_parallel_size=2"], "rollout.vllm.tensor_parallel_size=2: the engine is one process"),
+        (["rollout.vllm.max_model_len=129"], "rollout.vllm.max_model_len=129 exceeds model.seq_length=128"),
+        (["rollout.vllm.max_model_len=5"], "rollout.max_new_tokens=5 leaves no room for a prompt in "
+                                           "rollout.vllm.max_model_len=5"),
+        (["rollout.engine=hf", "data.prompts=null", "data.reward=null", "data.eval_prompts=null",
+          "rollout.vllm.enforce_eager=true"], "rollout.vllm holds options for vLLM's engine; rollout.engine is 'hf'"),
+    ]
+    if HAS_VLLM:
+        cases.append((["rollout.vllm.gpu_mem_utilization=0.3"], "rollout.vllm.gpu_mem_utilization: vLLM's engine "
+                      "has no such option; did you mean gpu_memory_utilization"))
     if HAS_VLLM:  # read after vLLM is found
         cases.append((["rollout.sync_bucket_mb=0.0001"], "rollout.sync_bucket_mb=0.0001 (104 bytes) is smaller than one row of "
                                                          "model.embed_tokens.weight gathered over tp=2"))

@@ -175,7 +175,8 @@ def test_top_p_0_9_on_tp2_sp_untied_replays_vllms_kept_sets_ratio_still_1_and_ev
     """Also data.eval_prompts (the shipped 200 held-out rows, greedy) before the first step and after the
     last: every held-out prompt is scored once per evaluation and never as a training sample, and the
     accuracy equals what transformers decodes greedily from the final export (an independent check).
-    And rollout.filter_groups: the groups without signal are refilled from the prompt stream."""
+    And rollout.filter_groups: the groups without signal are refilled from the prompt stream; with two
+    reward workers (data.reward_workers) and options for vLLM's engine (rollout.vllm)."""
     held = ROOT / "yaml_configs" / "data" / "add2" / "eval.jsonl"
     log = tmp_path / "scored.jsonl"
     monkeypatch.setenv("SPREAD_LOG", str(log))
@@ -183,7 +184,8 @@ def test_top_p_0_9_on_tp2_sp_untied_replays_vllms_kept_sets_ratio_still_1_and_ev
     run_dir = tmp_path / "run"
     ranks(2, [YAML, f"model.hf_path={untied}", f"run.run_dir={run_dir}", "run.steps=2", *FAST, reward,
               "rollout.top_p=0.9", "parallelism.tp=2", "parallelism.sequence_parallel=true",
-              f"data.eval_prompts={held}", "run.export_hf=true", "rollout.filter_groups=true"], timeout=600)
+              f"data.eval_prompts={held}", "run.export_hf=true", "rollout.filter_groups=true",
+              "data.reward_workers=2", "rollout.vllm.max_model_len=64", "rollout.vllm.max_num_seqs=64"], timeout=600)
     every = metrics(run_dir)
     assert [r["step"] for r in every] == [0, 1, 2] and "reward_mean" not in every[0]
     recs = every[1:]
