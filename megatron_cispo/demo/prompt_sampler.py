@@ -26,6 +26,7 @@ import contextlib
 import shutil
 import time
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
@@ -39,6 +40,16 @@ from ..rollout.vllm_options import engine_len
 from .metrics import say
 from .prompt_sources import RolloutFailed, Sources, _pause_for_tests, _seed, eos_ids, open_prompts, rows_to_batch
 from .sampler import Batch, Sampler
+
+
+def rollout_wait_group(dist_timeout_s: float, reward_budget_s: Optional[float]):
+    """Collective (every rank, at once): with data.reward_budget_s, the process group in which the other
+    ranks wait for rank 0's batch, its timeout run.dist_timeout_s plus that budget, so that scoring may
+    outlast the trainer's collective timeout; gloo, on the host (the batch travels as a pickled object
+    either way). None (the default group) without a budget or on one rank."""
+    if reward_budget_s is None or not (dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=dist_timeout_s + reward_budget_s))
 
 
 class PromptSampler(Sampler):
@@ -56,6 +67,8 @@ class PromptSampler(Sampler):
         # Rank 0 samples while the other ranks wait in the batch's broadcast, which fails after
         # run.dist_timeout_s: each engine call may take half of it, a step's rollout 90% in all.
         self.limit_s = 0.9 * cfg.run.dist_timeout_s
+        self.reward_budget_s = cfg.data.reward_budget_s
+        self.wait_group = rollout_wait_group(cfg.run.dist_timeout_s, self.reward_budget_s)
         self.log = Path(cfg.run.run_dir) / "vllm.log"    # the engine process's output (appended on a resume)
         self._tmp = Path(cfg.run.run_dir) / "vllm_weights"  # the synced version vLLM reloads (rank 0)
         self.chunks = None  # rollout.sync=stream: the model chunks, the live version's weights
@@ -113,9 +126,11 @@ class PromptSampler(Sampler):
                            finish_reasons=[c.finish_reason for c in completions], budget_s=budget_s)
         if res.first_failure:
             say(f"[{self.exp.label}] reward: {res.errors} errors, {res.timeouts} timeouts, {res.non_numbers} "
-                f"non-numbers this step (those samples are left out of the loss); first: {res.first_failure}")
+                f"non-numbers, {res.budget_cut} not scored within the step's budget (those samples are left out of "
+                f"the loss); first: {res.first_failure}")
         return res.rewards, {"reward/errors": float(res.errors), "reward/timeouts": float(res.timeouts),
-                             "reward/non_numbers": float(res.non_numbers), "reward/seconds": time.perf_counter() - t0}
+                             "reward/budget_cut": float(res.budget_cut), "reward/non_numbers": float(res.non_numbers),
+                             "reward/seconds": time.perf_counter() - t0}
 
     def _start_engine(self, model_dir: str, stream: bool) -> dict:
         from ..rollout.vllm_engine import VLLMEngine
@@ -195,7 +210,8 @@ class PromptSampler(Sampler):
 
         prompts, completions, seconds = generated
         g = self.cfg.group_size
-        rewards, scored = self._scores(prompts, completions, max(1.0, self.limit_s - (time.perf_counter() - start)))
+        budget = self.reward_budget_s or max(1.0, self.limit_s - (time.perf_counter() - start))
+        rewards, scored = self._scores(prompts, completions, budget)
         for k, v in {**scored, "rollout/seconds": seconds}.items():
             info[k] = info.get(k, 0.0) + v
         return [Group(p, completions[i * g:(i + 1) * g], rewards[i * g:(i + 1) * g]) for i, p in enumerate(prompts)]
@@ -267,7 +283,7 @@ class PromptSampler(Sampler):
         self._pushed = ({}, error)
         if error:
             raise RuntimeError(error)
-        (batch, after), version, dropped, figures = self.feed.take(step, timeout_s=self.limit_s)
+        (batch, after), version, dropped, figures = self.feed.take(step, timeout_s=self.limit_s + (self.reward_budget_s or 0))
         self._trained_prompts = after  # past the dropped batches too: they came before it
         if dropped and not self._dropped_said:  # once: rollout/dropped_batches counts them every step
             self._dropped_said = True
@@ -290,7 +306,8 @@ class PromptSampler(Sampler):
                                     top_p=1.0 if greedy else r.top_p, seeds=[base + i * k for i in range(len(prompts))],
                                     stop_token_ids=self.eos)
         completions = [c for per_prompt in out for c in per_prompt]
-        rewards, scored = self._scores(prompts, completions, self.limit_s / 2, group=k, held_out=True)
+        rewards, scored = self._scores(prompts, completions, self.reward_budget_s or self.limit_s / 2, group=k,
+                                       held_out=True)
         exact = [x == 1 for x in rewards]
         info = {"eval/version": float(version), "eval/seconds": time.perf_counter() - t0,
                 "eval/reward_mean": sum(x for x in rewards if x is not None) / max(1, sum(x is not None for x in rewards)),
@@ -387,7 +404,9 @@ class PromptSampler(Sampler):
     def _share(self, box: list) -> Batch:
         """Collective: rank 0's batch (or its failure's line, then RolloutFailed on every rank) to every rank."""
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(box, src=0, device=torch.device(self.device) if str(self.device) != "cpu" else None)
+            on_host = self.wait_group is not None or str(self.device) == "cpu"
+            dist.broadcast_object_list(box, src=0, group=self.wait_group,
+                                       device=None if on_host else torch.device(self.device))
         if isinstance(box[0], str):
             if self.rank == 0:
                 say(box[0])

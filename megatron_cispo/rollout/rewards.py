@@ -104,7 +104,8 @@ def _import(target: str):
 class RewardResult:
     rewards: list[float | None]  # None where the reward failed (masked out of the loss)
     errors: int                   # the function raised (or the worker died)
-    timeouts: int                 # past timeout_s (the worker was killed) or past the call's budget_s
+    timeouts: int                 # past timeout_s (the worker was killed)
+    budget_cut: int               # not scored within the call's budget_s: stopped by it, or never started
     non_numbers: int              # it returned something other than a finite number (bool counts: 1.0 / 0.0)
     first_failure: str | None     # one line: the function, the sample and the cause
 
@@ -136,8 +137,8 @@ class RewardRunner:
     def score(self, records: list[dict], completions: list[str], token_ids: list[list[int]], *,
               finish_reasons: list[str | None] | None = None, budget_s: float | None = None) -> RewardResult:
         """One reward per sample, each call limited to timeout_s and the whole call to budget_s seconds
-        (None: no limit; the trainer's other ranks wait in a collective meanwhile). Samples not reached
-        within the budget count as timeouts without calling the reward. finish_reasons: per sample
+        (None: no limit; the trainer's other ranks wait in a collective meanwhile). Samples not scored
+        within the budget (stopped by it, or never started) are counted in budget_cut. finish_reasons: per sample
         "stop" or "length" (None: unknown), for a reward that takes finish_reason."""
         reasons = [None] * len(records) if finish_reasons is None else list(finish_reasons)
         if not len(records) == len(completions) == len(token_ids) == len(reasons):
@@ -158,7 +159,7 @@ class RewardRunner:
                     i = next(todo, None)
                 if i is None:
                     return
-                outcomes[i] = (("timeout", f"not scored: {spent}") if time.monotonic() >= end
+                outcomes[i] = (("budget", f"not scored: {spent}") if time.monotonic() >= end
                                else slot.one(samples[i], end, spent))
 
         if len(self._slots) == 1 or len(samples) <= 1:
@@ -169,7 +170,7 @@ class RewardRunner:
                 t.start()
             for t in threads:
                 t.join()
-        res = RewardResult(rewards=[], errors=0, timeouts=0, non_numbers=0, first_failure=None)
+        res = RewardResult(rewards=[], errors=0, timeouts=0, budget_cut=0, non_numbers=0, first_failure=None)
         for i, (kind, detail) in enumerate(outcomes):
             if kind == "ok":
                 res.rewards.append(detail)
@@ -177,6 +178,7 @@ class RewardRunner:
             res.rewards.append(None)
             res.errors += kind == "error"
             res.timeouts += kind == "timeout"
+            res.budget_cut += kind == "budget"
             res.non_numbers += kind == "non_number"
             if res.first_failure is None:
                 res.first_failure = f"reward {self.spec} on sample {i} (record {repr(samples[i][0])[:80]}): {detail}"
@@ -241,8 +243,9 @@ class _Worker:
         except TimeoutError:
             if self.proc is not None:
                 self.stop()
-            return "timeout", (f"stopped after {time.monotonic() - t0:.1f} s: {spent}" if by_budget else
-                               f"timed out after {self.timeout_s:g} s")
+            if by_budget:
+                return "budget", f"stopped after {time.monotonic() - t0:.1f} s: {spent}"
+            return "timeout", f"timed out after {self.timeout_s:g} s"
         except (EOFError, BrokenPipeError, ValueError) as e:
             code = self.proc.wait() if self.proc is not None else None
             self.proc = None

@@ -177,6 +177,11 @@ class DataConfig:
         "call longer than reward_timeout_s is counted per step (reward/errors, reward/timeouts, "
         "reward/non_numbers), named in one line, and that sample is left out of the loss.")
     reward_timeout_s: float = config_field(10.0, "Seconds one reward call may take.")
+    reward_budget_s: Optional[float] = config_field(
+        None, "Seconds one step's scoring may take in all; the samples not scored by then are left out of the "
+        "loss and counted in reward/budget_cut. The other ranks then wait for rank 0's batch in a process group "
+        "of their own, whose timeout is run.dist_timeout_s plus this budget, so a slow reward needs no longer "
+        "collective timeout for the trainer. null: what generation leaves of 0.9 x run.dist_timeout_s.")
     reward_workers: int = config_field(
         1, "Worker processes that score a step's samples at the same time (each sample goes to a free one), "
         "for a reward slower than its pipe: a verifier, a sandbox, a judge.")
@@ -197,6 +202,8 @@ class DataConfig:
             raise ValueError(f"data.max_prompt_tokens must be >= 1 (or null), got {self.max_prompt_tokens}")
         if not 0 < self.reward_timeout_s < math.inf:
             raise ValueError(f"data.reward_timeout_s must be finite and > 0, got {self.reward_timeout_s}")
+        if self.reward_budget_s is not None and not 0 < self.reward_budget_s < math.inf:
+            raise ValueError(f"data.reward_budget_s must be finite and > 0 (or null), got {self.reward_budget_s}")
         if self.reward_workers < 1:
             raise ValueError(f"data.reward_workers must be >= 1, got {self.reward_workers}")
         if self.prompts is not None and not self.reward:

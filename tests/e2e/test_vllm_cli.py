@@ -45,8 +45,9 @@ MIN_BUCKETS = 10
 # The shipped exact-match reward is 0 for nearly every sample of a random model, and a step without
 # advantages leaves the weights where they were: then a sync that never arrived would pass unseen.
 # This reward (a file, as data.reward may name one) differs within every group, so each step moves them.
-REWARD = ("import json, os\n"
+REWARD = ("import json, os, time\n"
           "def spread(record, completion, token_ids):\n    return float(sum(token_ids) % 5)\n"
+          "def slow(record, completion, token_ids):\n    time.sleep(0.4)\n    return float(sum(token_ids) % 5)\n"
           "def spread_logged(record, completion, token_ids):  # every scored record, in $SPREAD_LOG\n"
           "    with open(os.environ['SPREAD_LOG'], 'a') as f:\n        f.write(json.dumps(record['prompt']) + '\\n')\n"
           "    if record['prompt'] == '<bos>97+70<sep>':  # a held-out row: the reward fails, the run goes on\n"
@@ -222,3 +223,19 @@ def _greedy_accuracy(model_dir, prompts) -> float:
             new = new[:new.index(13) + 1] if 13 in new else new
             hits += (sum(new) + len(p)) % 2 == 1
     return hits / len(prompts)
+
+
+def test_a_reward_budget_cuts_the_step_s_scoring_counts_what_it_cut_and_the_run_goes_on(model, tmp_path):
+    """data.reward_budget_s=1.5 with a 0.4 s reward on 2 workers (data.reward_workers): each step scores
+    what fits, counts the rest in reward/budget_cut (not as timeouts), says so in one line, and trains on
+    the scored samples; the other rank waits in the budget's own group (rollout_wait_group)."""
+    run_dir = tmp_path / "run"
+    proc = ranks(2, [YAML, f"model.hf_path={model}", f"run.run_dir={run_dir}", "run.steps=2",
+                     f"data.reward={model.parent / 'spread.py'}:slow", *FAST, "data.reward_budget_s=1.5",
+                     "data.reward_workers=2"], timeout=600)
+    recs = metrics(run_dir)
+    assert [r["step"] for r in recs] == [1, 2]
+    for r in recs:  # 16 samples a step; 2 workers x 1.5 s / 0.4 s score about 7 of them
+        assert 1 <= r["reward/budget_cut"] <= 15 and r["reward/timeouts"] == 0 and r["reward/errors"] == 0, r
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if "not scored within the step's budget" in line]
+    assert len(said) == 2 and "the step's reward budget of 1.5 s was spent" in said[0], said

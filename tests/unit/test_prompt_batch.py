@@ -64,6 +64,7 @@ def test_the_shipped_task_files_are_the_generators_and_the_held_out_rows_are_nev
     (["rollout.eval_samples=0"], "rollout.eval_samples must be >= 1, got 0"),
     (["data.reward_timeout_s=0"], "data.reward_timeout_s must be finite and > 0, got 0"),
     (["data.reward_workers=0"], "data.reward_workers must be >= 1, got 0"),
+    (["data.reward_budget_s=0"], "data.reward_budget_s must be finite and > 0 (or null), got 0"),
     (["rollout.max_new_tokens=0"], "rollout.max_new_tokens must be >= 1, got 0"),
 ])
 def test_each_bad_combination_is_one_line(tiny_qwen2, overrides, message):

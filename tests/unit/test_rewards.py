@@ -131,7 +131,7 @@ def test_a_timeout_stops_waiting_on_a_reward_that_sleeps_10_s(rewards_py):
         os.kill(pid, 0)  # the stuck worker is gone, not left running
 
 
-def test_the_call_stops_when_its_budget_is_spent_and_counts_the_rest_as_timeouts(rewards_py):
+def test_the_call_stops_when_its_budget_is_spent_and_counts_the_rest_as_cut_by_it(rewards_py):
     """1 s a sample, 5 samples, a 2.5 s budget: 2 are scored, the third is stopped at 2.5 s and the
     last two are not called (the trainer's other ranks wait in a collective meanwhile)."""
     with RewardRunner(f"{rewards_py}:by_kind", timeout_s=10) as runner:
@@ -142,7 +142,7 @@ def test_the_call_stops_when_its_budget_is_spent_and_counts_the_rest_as_timeouts
     assert 2.5 <= elapsed < 3.5, elapsed  # not the 5 s the samples would take
     scored = [r for r in res.rewards if r is not None]
     assert scored == [1.0] * len(scored) and 1 <= len(scored) <= 2
-    assert len(scored) + res.timeouts == 5 and res.errors == res.non_numbers == 0
+    assert len(scored) + res.budget_cut == 5 and res.errors == res.non_numbers == res.timeouts == 0
     assert res.rewards[:len(scored)] == scored  # in order: the scored ones first
     i = len(scored)
     assert res.first_failure.startswith(f"reward {rewards_py}:by_kind on sample {i} (record {{'kind': 'sleep1'}}): ")
@@ -154,7 +154,7 @@ def test_a_budget_already_spent_scores_nothing_and_says_so(rewards_py):
         res = _score(runner, ["len", "len"], budget_s=0)
         with pytest.raises(ValueError, match=r"budget_s=-1: expected None or a finite number of seconds >= 0"):
             _score(runner, ["len"], budget_s=-1)
-    assert res.rewards == [None, None] and res.timeouts == 2
+    assert res.rewards == [None, None] and res.budget_cut == 2 and res.timeouts == 0
     assert res.first_failure.endswith("sample 0 (record {'kind': 'len'}): not scored: the step's reward budget "
                                       "of 0 s was spent")
 
