@@ -167,10 +167,10 @@ def _set_up(cfg: ExperimentConfig, env, prompts=None) -> _Trainer:
     p, o = cfg.parallelism, cfg.optimizer
     torch.manual_seed(cfg.run.seed)
     chunks = build_model(cfg.model, tp=p.tp, pp=p.pp, vp=p.vp, cp=p.cp, ep=p.ep,
-                         sequence_parallel=p.sequence_parallel, seed=cfg.run.seed)
+                         sequence_parallel=p.sequence_parallel, seed=cfg.run.seed, distributed_optimizer=o.distributed)
     optimizer = build_optimizer(chunks, lr=o.lr, optimizer=o.name, weight_decay=o.weight_decay,
                                 clip_grad=o.clip_grad, adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2,
-                                bf16=cfg.model.dtype == "bf16")
+                                bf16=cfg.model.dtype == "bf16", distributed=o.distributed)
     if prompts is None:
         sampler = Sampler(cfg.model, cfg.rollout, seed=cfg.run.seed, device=env.device)
     else:  # data.prompts, as run() read and checked it

@@ -35,6 +35,8 @@ from ..config import ConfigError
 from ..base import files as durable
 from . import checkpoint_files as files_
 from . import checkpoint_save
+from .checkpoint_optim import check_optimizer_count, check_optimizer_kind, is_distributed, load_optimizer_state, \
+    optimizer_count, sgd_init_state, zero_step
 from .checkpoint_save import SaveFailed  # noqa: F401 - raised by save(), caught as checkpoint.SaveFailed
 
 step_dir = files_.step_dir
@@ -91,10 +93,18 @@ def _sharded_state_dict(chunks, optimizer, *, loading: bool, with_rng: bool) -> 
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     metadata = _metadata()
+    if is_distributed(optimizer):
+        # the canonical state (one tensor per parameter, as the plain optimizer's), resharded on load to any
+        # (tp, pp, dp) layout. Saving gathers the DP shards on DP rank 0 of each (tp, pp) shard; megatron's
+        # default, fully_sharded_model_space, writes without that gather but is refused by its own checks
+        # in 0.16 ("ShardedTensor.flattened_range is not supported"), and dp_reshardable reshards DP only.
+        metadata["distrib_optim_sharding_type"] = "fully_reshardable"
     sd = _model_state_dict(chunks, metadata)
     for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if getattr(sub, "init_state_fn", _sgd_init_state) is None:
-            sub.init_state_fn = _sgd_init_state
+        if getattr(sub, "init_state_fn", sgd_init_state) is None:
+            sub.init_state_fn = sgd_init_state
+        if loading and is_distributed(sub) and not sub.optimizer.state:
+            zero_step(sub)
     sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=loading, metadata=metadata)
     if with_rng:
         sd["rng_state"] = ShardedObject("rng_state", _rng_state(), (dist.get_world_size(),), (dist.get_rank(),),
@@ -128,44 +138,6 @@ def _load_models(chunks, state: dict) -> None:
         m.load_state_dict(state["model" if len(models) == 1 else f"model{i}"])
 
 
-def _sgd_init_state(opt, config=None) -> None:
-    """Zero momentum buffers for loading into: megatron-core 0.16.1 builds SGD with init_state_fn=None,
-    which optimizer.sharded_state_dict(is_loading=True) calls."""
-    for group in opt.param_groups:
-        if group.get("momentum", 0):
-            for p in group["params"]:
-                opt.state[p].setdefault("momentum_buffer", torch.zeros_like(p.data))
-
-
-# Param-group settings the optimizer is built with from the config; load_state_dict would replace them
-# by the checkpoint's (lr is set before every step, clip_grad lives in the optimizer's config).
-_SETTINGS = ("weight_decay", "betas", "eps", "momentum")
-
-
-def load_optimizer_state(optimizer, state: dict) -> None:
-    """optimizer.load_state_dict(state), keeping the optimizer's own settings (weight decay, betas,
-    eps, momentum): the state (moments, step counts) is the checkpoint's, the settings the config's."""
-    settings = [{k: g[k] for k in _SETTINGS if k in g} for g in optimizer.param_groups]
-    optimizer.load_state_dict(state)
-    for group, kept in zip(optimizer.param_groups, settings):
-        group.update(kept)
-
-
-def _optimizer_count(optimizer) -> int:
-    return len(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def _check_optimizer_count(path: Path, info: dict, optimizer) -> None:
-    """megatron-core 0.16.1 puts expert parameters in an optimizer of their own only when ep > 1, and
-    the chained optimizers' non-tensor state (param groups) cannot be mapped between one and two."""
-    saved, now = info.get("optimizers", 1), _optimizer_count(optimizer)
-    if saved != now:
-        ep = info.get("layout", {}).get("ep")
-        raise ConfigError(f"run.resume: {path} was saved with {saved} chained optimizer(s) (ep={ep}) and this layout "
-                          f"builds {now} (ep={_layout()['ep']}): megatron-core gives expert parameters their own "
-                          f"optimizer only when ep > 1; resume with ep {'> 1' if saved > now else '= 1'}")
-
-
 def save(run_dir, step: int, *, chunks, optimizer, shared: dict, keep: int, config: str = "") -> Path:
     """Collective: write checkpoint `step` (with `config`, the experiment's YAML, as config.yaml when
     given), rename it into place, prune to `keep`; returns its path. SaveFailed (the same on every
@@ -173,8 +145,9 @@ def save(run_dir, step: int, *, chunks, optimizer, shared: dict, keep: int, conf
     extra = {f"{name}.pt": (lambda f, o=obj: torch.save(o.state_dict(), f)) for name, obj in shared.items()}
     if config:
         extra[files_.CONFIG] = lambda f: f.write(config.encode())
-    marker = {"step": step, "format": files_.FORMAT, "layout": _layout(), "optimizers": _optimizer_count(optimizer),
-              "shared": sorted(shared), "megatron_core": files_.megatron_core_version()}
+    marker = {"step": step, "format": files_.FORMAT, "layout": _layout(), "optimizers": optimizer_count(optimizer),
+              "distributed_optimizer": is_distributed(optimizer), "shared": sorted(shared),
+              "megatron_core": files_.megatron_core_version()}
     return checkpoint_save.write(run_dir, step, _sharded_state_dict(chunks, optimizer, loading=False, with_rng=True),
                                  extra=extra, marker=marker, keep=keep)
 
@@ -292,7 +265,8 @@ def load(path: Path, *, chunks, optimizer, shared: dict) -> int:
     missing = sorted(set(shared) - set(info.get("shared", [])))
     if missing:
         raise ConfigError(f"run.resume: {path} has no {', '.join(missing)} state (it has {info.get('shared')})")
-    _check_optimizer_count(path, info, optimizer)
+    check_optimizer_count(path, info, optimizer, ep_now=_layout()["ep"])
+    check_optimizer_kind(path, info, optimizer)
     common = _common_strategy(path, info)
     same_layout = {k: info.get("layout", {}).get(k) for k in _layout()} == _layout()
     if not same_layout and _rank() == 0:

@@ -60,7 +60,8 @@ def _is_accel(device) -> bool:
 
 
 class _RedirectCudaDevice(TorchFunctionMode):
-    """Rewrites `device=` keyword arguments naming CUDA to CPU, and `.cuda()` to a no-op."""
+    """Rewrites `device=` keyword arguments naming CUDA to CPU, `.cuda()` to a no-op, and a CPU tensor's
+    `.type()` name to the CUDA one."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -70,6 +71,10 @@ class _RedirectCudaDevice(TorchFunctionMode):
             kwargs = {**kwargs, "pin_memory": False}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and args[0].device.type == "cpu":
+            # megatron's optimizers sort parameters by `param.type() == "torch.cuda.FloatTensor"` (and the
+            # half types); a CPU tensor answers as the CUDA tensor it stands in for
+            return "torch.cuda." + func(*args).rsplit(".", 1)[-1]
         if func is torch.Tensor.to and len(args) > 1 and isinstance(args[1], (str, int, torch.device)) \
                 and _is_accel(args[1]):
             args = (args[0], "cpu", *args[2:])
@@ -87,6 +92,23 @@ def _clip_grads_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
         g = getattr(p, "decoupled_grad", None) if use_decoupled_grad else p.grad
         if g is not None:
             g.detach().mul_(clip_coeff)
+
+
+def _set_present_states(original):
+    """megatron-core's DistributedOptimizer._set_main_param_and_optimizer_states (0.16 and 0.19) copies
+    every tensor of the live state into place, "step" included, which torch's Adam keeps per parameter
+    (no Apex or TE: on CPU) but a fully_reshardable checkpoint does not hold; load_state_dict has set
+    it already from the saved param groups. Copy the tensors the checkpoint has."""
+    def set_states(self, model_param, tensors):
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        live = {"param": main_param, **self.optimizer.state[main_param]}
+        for key, value in tensors.items():
+            if isinstance(value, torch.Tensor):
+                live[key].copy_(value)
+    return set_states
 
 
 class _NoStream:
@@ -150,7 +172,8 @@ class CpuCompat(contextlib.AbstractContextManager):
 
     Covers: `device="cuda"` factories (schedules' token counters, causal masks, grad-norm
     buffers), also inside custom autograd Functions' backward; `torch.cuda.current_device/
-    synchronize`; the model-parallel RNG tracker (backed by the CPU generator); grad clipping;
+    synchronize`; the model-parallel RNG tracker (backed by the CPU generator); grad clipping; the
+    distributed optimizer's checkpoint load without Apex or TE (its per-parameter "step");
     and for MoE: the router's TE GEMM hook, the alltoall dispatcher's CUDA streams, and uneven
     TP all-gathers, which gloo lacks. Never active when CUDA is available: then entering is a
     no-op and `active` stays False.
@@ -171,6 +194,7 @@ class CpuCompat(contextlib.AbstractContextManager):
         if torch.cuda.is_available():
             return self
         from megatron.core.optimizer import optimizer as mcore_optimizer
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
         from megatron.core.tensor_parallel import mappings
         from megatron.core.tensor_parallel import random as mcore_random
         from megatron.core.transformer.moe import moe_utils, token_dispatcher
@@ -184,6 +208,8 @@ class CpuCompat(contextlib.AbstractContextManager):
         self._patch(mcore_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
         self._patch(mcore_random, "_set_cuda_rng_state", lambda s, *a, **k: torch.set_rng_state(s))
         self._patch(mcore_optimizer, "clip_grad_by_total_norm_fp32", _clip_grads_cpu)
+        self._patch(DistributedOptimizer, "_set_main_param_and_optimizer_states",
+                    _set_present_states(DistributedOptimizer._set_main_param_and_optimizer_states))
         # backward of mappings._AllToAll (ep) and layers.LinearWithGradAccumulationAndAsyncCommunication (sp)
         self._patch(BackwardCFunction, "apply", _in_redirect_mode(BackwardCFunction.apply))
         if not hasattr(moe_utils, "te_general_gemm"):

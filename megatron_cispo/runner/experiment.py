@@ -76,6 +76,10 @@ class OptimizerConfig:
     clip_grad: float = config_field(1.0, "Global grad-norm clip; 0 disables clipping.")
     adam_beta1: float = config_field(0.9, "Adam beta1.")
     adam_beta2: float = config_field(0.999, "Adam beta2.")
+    distributed: bool = config_field(
+        False, "megatron-core's distributed optimizer: fp32 master weights and optimizer state sharded over the "
+        "data-parallel ranks (DP x CP), gradients reduce-scattered and parameters all-gathered; checkpoints "
+        "save that state fully sharded and resume on another layout.")
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -93,6 +97,10 @@ class OptimizerConfig:
             raise ValueError(f"optimizer.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.clip_grad < 0:
             raise ValueError(f"optimizer.clip_grad must be >= 0, got {self.clip_grad}")
+        if self.distributed and self.name != "adam":
+            raise ValueError(f"optimizer.distributed=true shards Adam's state; megatron-core's distributed optimizer "
+                             f"refuses optimizer.name={self.name!r} (its checkpoints need Adam's): use adam, or "
+                             "optimizer.distributed: false")
 
     def lr_at(self, step: int, total: int) -> float:
         """Learning rate of 0-based optimizer step `step` out of `total`."""

@@ -208,7 +208,8 @@ def _check_parallel_state(*, tp: int, pp: int, cp: int, ep: int) -> None:
 
 
 def build_model(cfg: ModelConfig, *, tp: int, pp: int, vp: int | None = None, cp: int = 1, ep: int = 1,
-                sequence_parallel: bool = False, seed: int = 0, wrap_ddp: bool = True, load_weights: bool = True):
+                sequence_parallel: bool = False, seed: int = 0, wrap_ddp: bool = True, load_weights: bool = True,
+                distributed_optimizer: bool = False):
     """Return this rank's model chunks ([one per virtual stage]), DDP-wrapped by default.
 
     load_weights=False leaves megatron's own init in place for a caller that loads a checkpoint
@@ -247,7 +248,7 @@ def build_model(cfg: ModelConfig, *, tp: int, pp: int, vp: int | None = None, cp
     if not wrap_ddp:
         return chunks
     ddp_cfg = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False,
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer,
         average_in_collective=False)  # per-token loss: megatron divides by the global token count
     wrapped = [DistributedDataParallel(config=tcfg, ddp_config=ddp_cfg, module=c,
                                        disable_bucketing=(i > 0)) for i, c in enumerate(chunks)]
@@ -259,12 +260,15 @@ def build_model(cfg: ModelConfig, *, tp: int, pp: int, vp: int | None = None, cp
 
 def build_optimizer(chunks, *, lr: float, optimizer: str = "adam", weight_decay: float = 0.0,
                     clip_grad: float = 1.0, adam_beta1: float = 0.9, adam_beta2: float = 0.999,
-                    bf16: bool = False):
+                    bf16: bool = False, distributed: bool = False):
+    """megatron's optimizer over `chunks`; distributed=True: its distributed optimizer (fp32 master weights
+    and optimizer state sharded over DP x CP; gradients reduce-scattered, parameters all-gathered), which
+    needs the chunks built with build_model(distributed_optimizer=True)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     ocfg = OptimizerConfig(optimizer=optimizer, lr=lr, weight_decay=weight_decay, clip_grad=clip_grad,
                            adam_beta1=adam_beta1, adam_beta2=adam_beta2, bf16=bf16,
-                           use_distributed_optimizer=False)
+                           use_distributed_optimizer=distributed)
     optimizer = get_megatron_optimizer(ocfg, chunks)
     set_megatron_hooks(chunks, optimizer)
     return optimizer
