@@ -65,7 +65,8 @@ class PromptSampler(Sampler):
         self.loaded: Optional[int] = None      # the policy version the engine holds
         self.reward = self.eval_reward = None  # rank 0: the RewardRunners (training, data.eval_prompts)
         # Rank 0 samples while the other ranks wait in the batch's broadcast, which fails after
-        # run.dist_timeout_s: each engine call may take half of it, a step's rollout 90% in all.
+        # run.dist_timeout_s: each engine call may take half of it, a step's rollout 90% in all; with
+        # data.reward_budget_s the scoring has that budget and the wait a group whose timeout adds it.
         self.limit_s = 0.9 * cfg.run.dist_timeout_s
         self.reward_budget_s = cfg.data.reward_budget_s
         self.wait_group = rollout_wait_group(cfg.run.dist_timeout_s, self.reward_budget_s)
@@ -283,7 +284,8 @@ class PromptSampler(Sampler):
         self._pushed = ({}, error)
         if error:
             raise RuntimeError(error)
-        (batch, after), version, dropped, figures = self.feed.take(step, timeout_s=self.limit_s + (self.reward_budget_s or 0))
+        wait_s = self.limit_s + (self.reward_budget_s or 0)  # generation, then scoring within its own budget
+        (batch, after), version, dropped, figures = self.feed.take(step, timeout_s=wait_s)
         self._trained_prompts = after  # past the dropped batches too: they came before it
         if dropped and not self._dropped_said:  # once: rollout/dropped_batches counts them every step
             self._dropped_said = True

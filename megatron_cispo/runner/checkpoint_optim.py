@@ -90,9 +90,10 @@ def check_optimizer_count(path: Path, info: dict, optimizer, *, ep_now: int) -> 
 
 
 def check_optimizer_kind(path: Path, info: dict, optimizer) -> None:
-    """The distributed optimizer's state is saved per parameter slice, the plain one's per parameter:
-    one cannot be read as the other, so a resume that switches optimizer.distributed is refused
-    (checkpoints from before the marker held it were saved by the plain optimizer)."""
+    """The two optimizers' checkpoints do not read as each other (tried without this check: a plain
+    one loaded by the distributed optimizer misses "optimizer.state.param.<name>", the other way round
+    "pre_wd_mult"), so a resume that switches optimizer.distributed is refused naming both settings
+    (checkpoints from before COMPLETE recorded it were written by the plain optimizer)."""
     saved, now = bool(info.get("distributed_optimizer", False)), is_distributed(optimizer)
     if saved != now:
         raise ConfigError(f"run.resume: {path} was saved with optimizer.distributed={str(saved).lower()} and this run "

@@ -111,8 +111,9 @@ def test_missing_env_var_names_key_and_variable():
     ("loss.cispo.anchor=new", r"loss\.cispo\.anchor: expected 'old' \| 'rollout', got str 'new'"),
     ("rollout.precision=fp16", r"rollout\.precision: expected 'fp32' \| 'bf16'"),
     ("optimizer.lr=[1]", r"optimizer\.lr: expected float, got list"),
-    ("optimizer.distributed=true optimizer.name=sgd", r"optimizer\.distributed=true shards Adam's state; megatron-core's "
-                                                     r"distributed optimizer refuses optimizer\.name='sgd'"),
+    ("optimizer.distributed=true optimizer.name=sgd",
+     r"optimizer\.distributed=true shards Adam's state; megatron-core's distributed optimizer refuses "
+     r"optimizer\.name='sgd'"),
     ("run.resume=3", r"run\.resume: expected bool, got int 3"),
     ("rollout.group_size=1", r"rollout\.group_size must be >= 2, got 1"),
     ("model.vocab_size=10", r"model\.vocab_size=10 is too small for task 'reverse'"),

@@ -211,7 +211,8 @@ def test_a_worker_that_times_out_is_restarted_while_the_others_go_on(rewards_py)
         res = _score(runner, ["len", "sleep", "int", "len", "true"])
         again = _score(runner, ["len"] * 4)
     assert res.rewards == [3.0, None, 2.0, 3.0, 1.0] and res.timeouts == 1 and res.errors == 0
-    assert res.first_failure == f"reward {rewards_py}:by_kind on sample 1 (record {{'kind': 'sleep'}}): timed out after 0.5 s"
+    assert res.first_failure == (f"reward {rewards_py}:by_kind on sample 1 (record {{'kind': 'sleep'}}): "
+                                 "timed out after 0.5 s")
     assert again.rewards == [3.0] * 4
 
 
