@@ -138,8 +138,8 @@ class RewardRunner:
               finish_reasons: list[str | None] | None = None, budget_s: float | None = None) -> RewardResult:
         """One reward per sample, each call limited to timeout_s and the whole call to budget_s seconds
         (None: no limit; the trainer's other ranks wait in a collective meanwhile). Samples not scored
-        within the budget (stopped by it, or never started) are counted in budget_cut. finish_reasons: per sample
-        "stop" or "length" (None: unknown), for a reward that takes finish_reason."""
+        within the budget (stopped by it, or never started) are counted in budget_cut. finish_reasons:
+        per sample "stop" or "length" (None: unknown), for a reward that takes finish_reason."""
         reasons = [None] * len(records) if finish_reasons is None else list(finish_reasons)
         if not len(records) == len(completions) == len(token_ids) == len(reasons):
             raise ValueError(f"score: {len(records)} records, {len(completions)} completions, {len(token_ids)} "
