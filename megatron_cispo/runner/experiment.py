@@ -78,8 +78,8 @@ class OptimizerConfig:
     adam_beta2: float = config_field(0.999, "Adam beta2.")
     distributed: bool = config_field(
         False, "megatron-core's distributed optimizer: fp32 master weights and optimizer state sharded over the "
-        "data-parallel ranks (DP x CP), gradients reduce-scattered and parameters all-gathered; checkpoints "
-        "save that state fully sharded and resume on another layout.")
+        "data-parallel ranks (DP x CP), gradients reduce-scattered during the backward (overlapped) and parameters "
+        "all-gathered after the step; checkpoints resume on another (tp, pp, dp) layout. Adam only.")
 
     def __post_init__(self) -> None:
         check_field_types(self)

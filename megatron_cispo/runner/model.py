@@ -248,7 +248,11 @@ def build_model(cfg: ModelConfig, *, tp: int, pp: int, vp: int | None = None, cp
     if not wrap_ddp:
         return chunks
     ddp_cfg = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer,
+        grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer,
+        # the distributed optimizer's reduce-scatter runs bucket by bucket during the backward (finished in
+        # finalize_model_grads, before the step); its param all-gather stays at the step (overlap_param_gather
+        # would defer it to the next forward, after the weight push has read the parameters)
+        overlap_grad_reduce=distributed_optimizer,
         average_in_collective=False)  # per-token loss: megatron divides by the global token count
     wrapped = [DistributedDataParallel(config=tcfg, ddp_config=ddp_cfg, module=c,
                                        disable_bucketing=(i > 0)) for i, c in enumerate(chunks)]
