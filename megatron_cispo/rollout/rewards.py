@@ -206,7 +206,12 @@ class _Worker:
 
     def __init__(self, spec: str, timeout_s: float):
         self.spec, self.timeout_s = spec, timeout_s
-        self.proc: subprocess.Popen | None = start(_WORKER, (spec, list(sys.path)))
+        self.proc: subprocess.Popen | None = None
+        self.spawn()
+
+    def spawn(self) -> None:
+        """Start the worker process (it loads the spec; ready() waits for that)."""
+        self.proc = start(_WORKER, (self.spec, list(sys.path)))
 
     def ready(self, end: float = math.inf) -> None:
         """Wait until the worker has loaded the spec: ValueError when it fails (or takes START_TIMEOUT_S),
@@ -234,7 +239,7 @@ class _Worker:
         t0, by_budget = time.monotonic(), True  # a start times out only at `end`
         try:
             if self.proc is None:
-                self.proc = start(_WORKER, (self.spec, list(sys.path)))
+                self.spawn()
                 self.ready(end)
             deadline = time.monotonic() + self.timeout_s
             by_budget = end < deadline

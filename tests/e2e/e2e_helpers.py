@@ -113,6 +113,13 @@ def ranks(nproc: int, args: list[str], *, timeout: float = 240, check: bool = Tr
     return proc
 
 
+def killed_after_step_2(reference: Path, run_dir: Path) -> None:
+    """The state of a job killed right after its step-2 checkpoint: that checkpoint and its metrics."""
+    (run_dir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(reference / "checkpoints" / "step_000002", run_dir / "checkpoints" / "step_000002")
+    shutil.copy(reference / "metrics.jsonl", run_dir / "metrics.jsonl")  # steps 3-4 are cut on resume
+
+
 def metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
 

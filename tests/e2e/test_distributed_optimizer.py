@@ -7,13 +7,11 @@ counts resharded): metrics within 1e-6 of the uninterrupted run, weights within 
 optimizer's resumed the same way. A checkpoint of one optimizer resumed with the other is refused in
 one line.
 """
-import shutil
-
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from e2e_helpers import DEMO, TINY, assert_metrics_close, metrics, ranks
+from e2e_helpers import DEMO, TINY, assert_metrics_close, killed_after_step_2, metrics, ranks
 
 STEPS = 4
 
@@ -57,9 +55,7 @@ def test_the_distributed_optimizer_steps_as_the_plain_one(runs, layout, tmp_path
 
 def _resume(reference, run_dir, nproc: int, *overrides) -> None:
     """reference's step-2 checkpoint resumed in run_dir on `nproc` ranks, to step 4."""
-    (run_dir / "checkpoints").mkdir(parents=True)
-    shutil.copytree(reference / "checkpoints" / "step_000002", run_dir / "checkpoints" / "step_000002")
-    shutil.copy(reference / "metrics.jsonl", run_dir / "metrics.jsonl")  # steps 3-4 are cut on resume
+    killed_after_step_2(reference, run_dir)
     ranks(nproc, _args(run_dir, *overrides, "run.resume=true"))
 
 
@@ -81,8 +77,7 @@ def test_a_resume_on_another_layout_continues_as_the_plain_optimizer_does(runs, 
 @pytest.mark.parametrize("saved, now", [("plain", "true"), ("distributed", "false")])
 def test_switching_the_optimizer_on_resume_is_refused_in_one_line(runs, tmp_path, saved, now):
     run_dir = tmp_path / "switched"
-    (run_dir / "checkpoints").mkdir(parents=True)
-    shutil.copytree(runs["dp2", saved] / "checkpoints" / "step_000002", run_dir / "checkpoints" / "step_000002")
+    killed_after_step_2(runs["dp2", saved], run_dir)
     proc = ranks(2, _args(run_dir, "parallelism.tp=1", f"optimizer.distributed={now}", "run.resume=true"),
                  check=False)
     said = [line for line in proc.stderr.splitlines() if "optimizer.distributed" in line]

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from e2e_helpers import DEMO, ROOT, TINY, assert_metrics_close, env, metrics, ranks
+from e2e_helpers import DEMO, ROOT, TINY, assert_metrics_close, env, killed_after_step_2, metrics, ranks
 from megatron_cispo.testing import free_port
 
 STEPS = 4
@@ -17,13 +17,6 @@ STEPS = 4
 
 def _args(run_dir, *extra):
     return [DEMO, *TINY, f"run.steps={STEPS}", "run.checkpoint_interval=2", f"run.run_dir={run_dir}", *extra]
-
-
-def _killed_after_step_2(reference, run_dir):
-    """The state of a job killed right after its step-2 checkpoint: that checkpoint and its metrics."""
-    (run_dir / "checkpoints").mkdir(parents=True)
-    shutil.copytree(reference / "checkpoints" / "step_000002", run_dir / "checkpoints" / "step_000002")
-    shutil.copy(reference / "metrics.jsonl", run_dir / "metrics.jsonl")  # steps 3-4 are cut on resume
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +35,7 @@ def test_layouts_give_the_same_first_three_steps(reference, tmp_path, nproc, tp,
 
 def test_resumed_run_matches_uninterrupted_run_step_for_step(reference, tmp_path):
     run_dir = tmp_path / "resumed"
-    _killed_after_step_2(reference, run_dir)
+    killed_after_step_2(reference, run_dir)
     proc = ranks(4, _args(run_dir, "run.resume=true"))
     assert "resumed from" in proc.stdout
     resumed, straight = metrics(run_dir), metrics(reference)
@@ -54,7 +47,7 @@ def test_resume_on_another_layout_matches_the_uninterrupted_run(reference, tmp_p
     # Saved at (tp, pp, dp) = (2, 1, 2), resumed at (1, 2, 1): dist_checkpointing reshards the
     # model and the optimizer state, and steps 3-4 match the uninterrupted run as layouts match.
     run_dir = tmp_path / "relayout"
-    _killed_after_step_2(reference, run_dir)
+    killed_after_step_2(reference, run_dir)
     proc = ranks(2, _args(run_dir, "run.resume=true", "parallelism.tp=1", "parallelism.pp=2"))
     assert "resumed from" in proc.stdout and "world 2 = tp 1 x pp 2 x dp 1" in proc.stdout
     resumed = metrics(run_dir)
