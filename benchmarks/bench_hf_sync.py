@@ -1,4 +1,4 @@
-"""What one weight sync of the hf sampler (rollout.engine: hf) costs: hf/engine.HFEngine on a full state.
+"""What one weight sync of the hf sampler (rollout.engine: hf) costs: rollout/hf_engine.HFEngine on a full state.
 
     python benchmarks/bench_hf_sync.py                       # the tiny models of tools/make_tiny_hf, ~1 minute
     python benchmarks/bench_hf_sync.py --families qwen2 --repeats 20
@@ -39,7 +39,7 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from megatron_cispo.hf.arch import read_arch
-    from megatron_cispo.hf.engine import HFEngine
+    from megatron_cispo.rollout.hf_engine import HFEngine
     from megatron_cispo.hf.export import write_hf_dir
     from megatron_cispo.hf.mapping import from_hf, to_hf
     from megatron_cispo.tools.make_tiny_hf import make_tiny_hf

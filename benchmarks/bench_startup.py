@@ -66,7 +66,7 @@ def worker(out_dir: str, compile_at_import: bool, argv: list[str]) -> int:
     import megatron_cispo.train as train
     _stamp(stamps, "imported_train")
     from megatron_cispo import step
-    from megatron_cispo.demo import loop
+    from megatron_cispo.runner import loop
     from megatron_cispo.runner import distributed, model
     _stamp(stamps, "imported_rest")
     stamps["megatron_before_init"] = float("megatron.core" in sys.modules)  # 0: the CLI's import order held

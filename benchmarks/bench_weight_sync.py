@@ -10,7 +10,7 @@ holds them) on gloo processes (megatron_cispo.testing.spawn), one launch per siz
   stages' buckets) straight into a shared-memory file of one bucket, as the vLLM sampler does;
 - floor: the same bytes moved once over the same links, a bucket at a time: rank 0 copies its own
   parameters into that file, every other rank with DP = CP = 0 sends its parameters there over gloo;
-- disk: today's fallback up to the engine: runner.weights.gather_full_state on every rank (fp32, TP
+- disk: today's fallback up to the engine: base.weights.gather_full_state on every rank (fp32, TP
   all-gather, all_gather_object over the world), then rank 0 writes to_hf's tensors as an fp32 HF
   directory (hf/export.write_hf_dir, fsynced). Skipped where it would not fit in this machine's memory.
 Per rank: wall time (between barriers) and the peak resident-set increase (VmHWM reset before, minus
@@ -77,7 +77,7 @@ def worker(layout: dict, path: str, bucket_mb: float, disk: bool, tmp: str) -> d
     from megatron_cispo.runner import distributed
     from megatron_cispo.runner.model import ModelConfig, build_model
     from megatron_cispo.base.param_names import canonical_names
-    from megatron_cispo.runner.weights import gather_full_state
+    from megatron_cispo.base.weights import gather_full_state
 
     _release_freed_memory()
     torch.set_num_threads(1)

@@ -91,7 +91,7 @@ def _world_size(flag: int | None) -> int:
 
 def _check_sources(cfg) -> None:
     """--check: vLLM installed, data.prompts readable, data.reward importable (rollout.engine: vllm)."""
-    from .demo.prompt_sources import check_sources
+    from .rollout.prompt_sources import check_sources
 
     try:
         check_sources(cfg)
@@ -117,8 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         extra = (f" x cp {p.cp}" if p.cp > 1 else "") + (f" (ep {p.ep})" if p.ep > 1 else "")
         print(f"# ok: {world} processes = tp {p.tp} x pp {p.pp} x dp {dp}{extra}")
         return 0
-    from .demo.loop import NonFiniteStop, run
-    from .demo.prompt_sources import RolloutFailed
+    from .demo.report import finish_run
+    from .runner.loop import NonFiniteStop, run
+    from .rollout.prompt_sources import RolloutFailed
     from .mcore import MegatronCoreMissing
     from .runner.peers import PeerLost
     from .runner.checkpoint import SaveFailed
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     from .step.routing_replay import BadRoutes
 
     try:
-        run(cfg)
+        run(cfg, finish=finish_run)
     except ConfigError as e:  # raised by every rank alike (runtime layout, checkpoint layout)
         return _report(args.config, e)
     except MegatronCoreMissing as e:  # every rank alike, before any process group exists

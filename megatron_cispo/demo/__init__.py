@@ -1,6 +1,4 @@
-"""A fully-async RL demo on real megatron-core: task, sampler with weight sync, trainer loop.
-
-`task` makes prompts and rewards, `gpt` and `sampler` are the sampler side (a plain-torch copy
-of the policy that lags the trainer), `loop` runs the trainer (checkpoints via the runner),
-`metrics` persists a run, `report` compares runs. Run it with `bash launch/demo.sh`.
+"""The demo's report: the runs' table and figure (python -m megatron_cispo.demo.report) and each run's
+summary (finish_run). The demo itself is a YAML (yaml_configs/demo_cpu.yaml) run by launch/demo.sh; its
+task and engines are in rollout/, its trainer loop in runner/loop.py.
 """

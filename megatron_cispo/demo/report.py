@@ -27,7 +27,7 @@ import yaml
 
 from ..config import LossConfig, from_dict
 from ..runner.experiment import run_label
-from .metrics import MetricsFileError, read_metrics
+from ..runner.metrics import MetricsFileError, finite_record, read_metrics, say
 
 MIN_GAIN = 2.0
 
@@ -305,3 +305,16 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def finish_run(cfg, run_dir: Path, seconds: float) -> None:
+    """Rank 0, at the end of a run that trained (train.py passes it to runner.loop.run): summary.json and
+    this run's figure, and the closing line."""
+    import json
+
+    summary = summarize(run_dir)
+    summary["train_seconds"] = seconds
+    (run_dir / "summary.json").write_text(json.dumps(finite_record(summary), indent=1, allow_nan=False) + "\n")
+    png = plot_runs([run_dir], run_dir / "metrics.png")
+    say(f"[{cfg.label}] done in {seconds:.0f}s: reward {summary['reward_first']:.3f} -> "
+        f"{summary['reward_last']:.3f}; wrote {run_dir}/metrics.jsonl" + (f", {png}" if png else ""), sys.stdout)

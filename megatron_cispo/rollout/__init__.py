@@ -1,5 +1,4 @@
-"""Real rollouts from YAML: the prompt stream read from a JSONL or Parquet file (prompts), the user's
-reward function run with a timeout in a worker process (rewards, reward_worker), the shipped arithmetic
-task (arith), and vLLM's offline engine in its own process (vllm_engine: the trainer side, which never
-imports vllm; vllm_worker: the child); child holds the pipe and start-up both worker processes
-share. Runner floor: it may import hf and runner, never demo or train."""
+"""The rollout room: the engines behind one protocol (engine.py: torch_engine, hf_engine, vllm_engine),
+the trainer's weights as named buckets (weight_stream, weight_receiver), the samplers (sampler: the
+synthetic task; prompt_sampler: data.prompts, with async_feed), and prompts and rewards (task, prompts,
+rewards, arith). Floor: it may import base and hf, never runner, demo or train."""

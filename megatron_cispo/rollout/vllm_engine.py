@@ -5,9 +5,9 @@ one EngineError line here (the child's log holds the rest).
     eng = VLLMEngine("runs/x/hf/step_0", precision="fp32", max_model_len=256, seed=0, kept_sets=True)
     eng.load_weights("runs/x/hf/step_1")                 # after each optimizer step (an export dir), or:
     eng = VLLMEngine(hf_path, ..., stream=True)          # placeholder weights, then pushes in buckets:
-    eng.push(stream_buckets(...), manifest=hf_shapes(arch), bucket_bytes=n)   # weight_stream.py
-    out = eng.generate(prompts, n=4, max_new_tokens=32, temperature=1.0, top_k=0, top_p=0.9,
-                       seeds=[0, 4, 8], stop_token_ids=[eos])  # out[i][j]: sample j of prompt i
+    eng.update_weights(stream_buckets(...), manifest=hf_shapes(arch), bucket_bytes=n)   # weight_stream.py
+    out = eng.generate(prompts, Sampling(n=4, max_new_tokens=32, top_p=0.9, seeds=[0, 4, 8],
+                                         stop_token_ids=[eos]))  # out[i][j]: sample j of prompt i
 """
 from __future__ import annotations
 
@@ -21,13 +21,14 @@ import tempfile
 import time
 import uuid
 import weakref
-from dataclasses import astuple, dataclass
+from dataclasses import astuple
 from pathlib import Path
 from typing import Iterable
 
 import torch
 
 from .child import recv, send, start
+from .engine import Completion, EngineStart, Sampling  # noqa: F401 - Completion: callers import it from here
 
 PRECISIONS = {"fp32": "float32", "bf16": "bfloat16"}
 CALL_TIMEOUT_S = 3600.0  # generous: a hung child must end as an error, never hang the trainer
@@ -71,14 +72,6 @@ def cpu_model_problem(arch, *, cuda: bool) -> str | None:
                 f"model's MoE layers (measured: off by up to 0.10 in logprob), so the sampler could not follow "
                 f"the trainer; use rollout.engine: hf on CPU, or vLLM on GPU")
     return None
-
-
-@dataclass(frozen=True)
-class Completion:
-    token_ids: list[int]  # the sampled tokens, the stop token included when it ended the sample
-    logprobs: list[float]  # per token: vLLM's processed logprob (temperature, top-k/top-p, renormalised)
-    finish_reason: str  # "stop" (a stop token) or "length" (max_new_tokens)
-    kept: list[list[int]] | None  # per token the kept set's ids, ascending (kept_sets and top-k/top-p on)
 
 
 def _last_error(log: Path) -> str:
@@ -147,7 +140,7 @@ class VLLMEngine:
                    self.call_timeout_s, "it must be an export of the engine's model")
         return time.perf_counter() - t0
 
-    def push(self, buckets: Iterable, *, manifest: dict[str, tuple[int, ...]], bucket_bytes: int) -> dict:
+    def update_weights(self, buckets: Iterable, *, manifest: dict[str, tuple[int, ...]], bucket_bytes: int) -> dict:
         """Load the weights streamed as `buckets` (weight_stream.Bucket, each <= bucket_bytes) through vLLM's
         weight-transfer API, then reset the prefix cache. All or nothing: a stream that raises or ends
         short leaves the engine on its previous weights (the child aborts the update) and raises
@@ -192,11 +185,12 @@ class VLLMEngine:
             self._shm[0].unlink(missing_ok=True)
             self._shm = None
 
-    def generate(self, prompts: list[list[int]], *, n: int, max_new_tokens: int, temperature: float,
-                 top_k: int, top_p: float, seeds: list[int], stop_token_ids: list[int]) -> list[list[Completion]]:
-        """n samples per prompt (token ids); sample j of prompt i is seeded with seeds[i] + j (vLLM's
-        parallel sampling), so the same seeds and weights give the same completions. top_k 0 and
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
+        """sampling.n samples per prompt (token ids); sample j of prompt i is seeded with seeds[i] + j
+        (vLLM's parallel sampling), so the same seeds and weights give the same completions. top_k 0 and
         top_p 1 are off. Returns [prompt][sample]."""
+        s = sampling
+        n, max_new_tokens, seeds = s.n, s.max_new_tokens, s.seeds
         if len(seeds) != len(prompts):
             raise ValueError(f"seeds: one per prompt, got {len(seeds)} for {len(prompts)} prompts")
         for i, p in enumerate(prompts):
@@ -210,8 +204,8 @@ class VLLMEngine:
                                  "of a prompt uses seed + k, so their samples would share seeds")
         t0 = time.perf_counter()
         args = dict(prompts=[list(map(int, p)) for p in prompts], n=n, max_new_tokens=max_new_tokens,
-                    temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
-                    seeds=[int(s) for s in seeds], stop_token_ids=[int(t) for t in stop_token_ids])
+                    temperature=float(s.temperature), top_k=int(s.top_k), top_p=float(s.top_p),
+                    seeds=[int(x) for x in seeds], stop_token_ids=[int(t) for t in s.stop_token_ids])
         out = self._call("generate", args, f"generating {len(prompts)} prompts x {n}", self.call_timeout_s,
                          "see the log")
         self.last_generate_seconds = time.perf_counter() - t0
@@ -294,3 +288,11 @@ class VLLMEngine:
         self._failed = True
         self._stop(polite=False)
         raise EngineError(msg)
+
+
+def open_engine(start: EngineStart) -> VLLMEngine:
+    """rollout.engine=vllm: an engine on placeholder weights of model.hf_path's family, fed by update_weights."""
+    return VLLMEngine(start.model.hf_path, precision=start.precision, seed=start.seed,
+                      max_model_len=start.max_model_len, kept_sets=start.kept_sets,
+                      start_timeout_s=start.start_timeout_s, call_timeout_s=start.call_timeout_s,
+                      log_path=start.log_path, engine_kwargs=start.options, stream=True)

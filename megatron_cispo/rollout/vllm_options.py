@@ -65,3 +65,19 @@ def engine_args() -> set[str] | None:
 def engine_len(options: dict, seq_length: int) -> int:
     """The engine's max_model_len: rollout.vllm.max_model_len, else model.seq_length."""
     return options.get("max_model_len", seq_length)
+
+
+def engine_length(rollout, model) -> tuple[int, str]:
+    """The longest row (prompt + completion) the engine serves, and the setting it comes from."""
+    if "max_model_len" in rollout.vllm:
+        return engine_len(rollout.vllm, model.seq_length), "rollout.vllm.max_model_len"
+    return model.seq_length, "model.seq_length"
+
+
+def prompt_limit(data, rollout, model) -> tuple[int, str]:
+    """The longest prompt a run accepts and where that comes from: data.max_prompt_tokens, else what the
+    engine's length (rollout.vllm.max_model_len, else model.seq_length) leaves."""
+    if data.max_prompt_tokens is not None:
+        return data.max_prompt_tokens, "data.max_prompt_tokens"
+    length, where = engine_length(rollout, model)
+    return length - rollout.max_new_tokens, f"{where} - rollout.max_new_tokens = {length} - {rollout.max_new_tokens}"

@@ -1,5 +1,6 @@
 """Our runner: what the CLI, the demo and the tests use to run megatron-core; not the library.
 
+    loop.py        run(cfg): the trainer loop that runs every YAML
     experiment.py  the YAML experiment schema and loader (load_experiment, resolve_world)
     config_doc.py  docs/configuration.md from that schema
     model.py       GPTModel + DDP + megatron optimizer, with layout-independent init

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 from ..config import check_field_types, config_field
-from ..rollout.vllm_options import check_options, engine_len
+from ..rollout.vllm_options import check_options, engine_length, engine_len
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -235,7 +235,7 @@ def check_data_rollout(data: DataConfig, rollout, model) -> None:
         if engine_len(rollout.vllm, model.seq_length) > model.seq_length:
             raise ValueError(f"rollout.vllm.max_model_len={rollout.vllm['max_model_len']} exceeds model.seq_length="
                              f"{model.seq_length}, the longest row the trainer trains; lower it (or remove it)")
-    length, where = _engine_length(rollout, model)
+    length, where = engine_length(rollout, model)
     longest = length - rollout.max_new_tokens
     if longest < 1:
         raise ValueError(f"rollout.max_new_tokens={rollout.max_new_tokens} leaves no room for a prompt in "
@@ -243,19 +243,3 @@ def check_data_rollout(data: DataConfig, rollout, model) -> None:
     if data.max_prompt_tokens is not None and data.max_prompt_tokens > longest:
         raise ValueError(f"data.max_prompt_tokens={data.max_prompt_tokens} + rollout.max_new_tokens="
                          f"{rollout.max_new_tokens} exceeds {where}={length}; lower either")
-
-
-def _engine_length(rollout, model) -> tuple[int, str]:
-    """The longest row (prompt + completion) the engine serves, and the setting it comes from."""
-    if "max_model_len" in rollout.vllm:
-        return engine_len(rollout.vllm, model.seq_length), "rollout.vllm.max_model_len"
-    return model.seq_length, "model.seq_length"
-
-
-def prompt_limit(data: DataConfig, rollout, model) -> tuple[int, str]:
-    """The longest prompt a run accepts and where that comes from: data.max_prompt_tokens, else what the
-    engine's length (rollout.vllm.max_model_len, else model.seq_length) leaves."""
-    if data.max_prompt_tokens is not None:
-        return data.max_prompt_tokens, "data.max_prompt_tokens"
-    length, where = _engine_length(rollout, model)
-    return length - rollout.max_new_tokens, f"{where} - rollout.max_new_tokens = {length} - {rollout.max_new_tokens}"

@@ -3,7 +3,7 @@
     export_chunks(chunks, arch, "runs/x/hf/step_10")   # every rank; returns once rank 0 is done
 
 Dense models are streamed (rollout/weight_stream.py) into hf/export.py's write_hf_stream; MoE models
-are gathered whole (runner/weights.py) into write_hf_dir. hf/ writes the files, this module moves the
+are gathered whole (base/weights.py) into write_hf_dir. hf/ writes the files, this module moves the
 weights: it sits above both, so hf imports nothing from the runner or the rollout code.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ def export_chunks(chunks, arch: HFArch, out_dir, *, dtype: torch.dtype | None = 
     Dense models are streamed (rollout/weight_stream.py: one sender per stage, buckets of
     `bucket_bytes`), and rank 0 writes each safetensors shard as it fills (write_hf_stream): no rank
     holds more than a shard and two buckets beyond the model. MoE models (the stream's schedule has
-    no expert senders yet) gather everything on every rank in fp32 (runner/weights.py's gather_full_state):
+    no expert senders yet) gather everything on every rank in fp32 (base/weights.py's gather_full_state):
     fine for tests and small models, a limit for large ones (docs/launch.md, "Exporting")."""
     import torch.distributed as dist
 
@@ -50,7 +50,7 @@ def _failed(out_dir, e: BaseException) -> str:
 def _export_gathered(chunks, arch, out_dir, dtype, step, rank0: bool) -> str | None:
     """Collective: gather, rank 0 writes; rank 0's write failure as one line (a failed gather raises)."""
     from ..hf.mapping import to_hf
-    from .weights import gather_full_state
+    from ..base.weights import gather_full_state
 
     full = gather_full_state(chunks)
     if not rank0:

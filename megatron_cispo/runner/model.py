@@ -18,7 +18,7 @@ import torch
 from ..config import check_field_types, config_field
 from ..step.hooks import set_megatron_hooks
 from .specs import block_spec, grouped_gemm, layer_spec
-from .weights import init_layout_independent
+from ..base.weights import init_layout_independent
 
 
 @dataclass(frozen=True, kw_only=True)

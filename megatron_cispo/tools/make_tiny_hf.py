@@ -7,7 +7,7 @@
 
 The directory is what a hub download holds: config.json, generation_config.json, model.safetensors
 and a word-level tokenizer (tokenizer.json, tokenizer_config.json). Token ids 0..13 are the demo
-tasks' symbols: the digits 0-9, then <bos>, <sep>, + and <eos> (demo/task.py's ids for base 10), so
+tasks' symbols: the digits 0-9, then <bos>, <sep>, + and <eos> (rollout/task.py's ids for base 10), so
 the synthetic tasks run on it unchanged; the rest are <extra_i>. Every weight is random (norm weights
 and biases too, so a mapping that drops one is caught), drawn from torch's generator seeded by --seed.
 No network access is needed.

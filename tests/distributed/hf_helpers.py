@@ -119,7 +119,7 @@ def megatron_grads(chunks, batch, step_cfg, vocab_size: int) -> dict[str, torch.
     Overwrites the parameters with their gradients (the model is spent afterwards)."""
     from megatron.core import parallel_state as mpu
 
-    from megatron_cispo.runner.weights import gather_full_state
+    from megatron_cispo.base.weights import gather_full_state
     from megatron_cispo.step.forward import forward_step_for, run_schedule
     from megatron_cispo.step.head import head_logprobs
     from megatron_cispo.step.packing import microbatches, step_layout

@@ -220,7 +220,7 @@ def layout_worker(layout: dict, runs=("compensated",), lr=1.0):
 
     from megatron_cispo.config import LossConfig, from_dict
     from megatron_cispo.runner import distributed
-    from megatron_cispo.runner.weights import gather_full_state
+    from megatron_cispo.base.weights import gather_full_state
     from megatron_cispo.step import Rollouts, StepConfig, policy_step
 
     tp, cp, sp, ep = layout.get("tp", 1), layout.get("cp", 1), layout.get("sp", False), layout.get("ep", 1)

@@ -57,7 +57,7 @@ def save_worker(run_dir, cases):
 
     import torch.distributed as dist
 
-    from megatron_cispo.demo import loop
+    from megatron_cispo.runner import loop
     from megatron_cispo.runner import checkpoint, checkpoint_files
     from megatron_cispo.runner.experiment import dump_yaml, load_experiment
 
@@ -106,7 +106,7 @@ def load_worker(run_dir):
     import torch.distributed as dist
 
     from megatron_cispo.config import ConfigError
-    from megatron_cispo.demo import loop
+    from megatron_cispo.runner import loop
     from megatron_cispo.runner import checkpoint
     from megatron_cispo.runner.experiment import dump_yaml, load_experiment
 

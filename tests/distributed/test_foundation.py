@@ -51,7 +51,7 @@ def lm_step_worker(tp, pp):
 
     from megatron_cispo.runner import distributed
     from megatron_cispo.runner.model import ModelConfig, build_model, build_optimizer
-    from megatron_cispo.runner.weights import gather_full_state
+    from megatron_cispo.base.weights import gather_full_state
 
     distributed.init_distributed(tp=tp, pp=pp)
     cfg = ModelConfig(vocab_size=V, seq_length=S, hidden_size=32, num_layers=4, num_attention_heads=4)
@@ -102,7 +102,7 @@ def test_layout_matches_single_process(reference, tp, pp, dp):
 def _initial_worker():
     from megatron_cispo.runner import distributed
     from megatron_cispo.runner.model import ModelConfig, build_model
-    from megatron_cispo.runner.weights import gather_full_state
+    from megatron_cispo.base.weights import gather_full_state
 
     distributed.init_distributed(tp=1, pp=1)
     cfg = ModelConfig(vocab_size=V, seq_length=S, hidden_size=32, num_layers=4, num_attention_heads=4)

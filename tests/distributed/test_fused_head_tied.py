@@ -22,7 +22,7 @@ def tied_worker(tp: int):
     from megatron_cispo.runner import distributed
     from megatron_cispo.runner.model import ModelConfig, transformer_config
     from megatron_cispo.runner.specs import layer_spec
-    from megatron_cispo.runner.weights import init_layout_independent
+    from megatron_cispo.base.weights import init_layout_independent
     from megatron_cispo.step import head as head_module
     from megatron_cispo.step import Microbatch
     from megatron_cispo.step.forward import forward_step_for

@@ -43,7 +43,7 @@ def worker(layout: dict, paths: dict, families):
     from megatron_cispo.hf.mapping import to_hf
     from megatron_cispo.runner import distributed
     from megatron_cispo.runner.model import ModelConfig, build_model, build_optimizer
-    from megatron_cispo.runner.weights import gather_full_state
+    from megatron_cispo.base.weights import gather_full_state
     from megatron_cispo.step import Rollouts, StepConfig, compute_logprobs, policy_step
 
     tp, pp, ep = (layout.get(k, 1) for k in ("tp", "pp", "ep"))

@@ -158,7 +158,7 @@ def _step_worker(layout: dict, packed: bool, head: str, with_keep: bool = True):
     from megatron_cispo.config import LossConfig, from_dict
     from megatron_cispo.runner import distributed
     from megatron_cispo.runner.model import ModelConfig, build_model, build_optimizer
-    from megatron_cispo.runner.weights import gather_full_state
+    from megatron_cispo.base.weights import gather_full_state
     from megatron_cispo.step import Rollouts, StepConfig, compute_logprobs, policy_step
 
     tp, cp = layout.get("tp", 1), layout.get("cp", 1)

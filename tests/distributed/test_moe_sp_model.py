@@ -51,7 +51,7 @@ def _watch_router_gaps(chunks, gaps: list):
 def _one_step(moe: bool, *, tp: int, ep: int, sp: bool) -> dict:
     """Build, scale the routers, run one 1F1B step with a plain cross-entropy loss, SGD-step."""
     from megatron_cispo.runner.model import build_model, build_optimizer
-    from megatron_cispo.runner.weights import gather_full_state
+    from megatron_cispo.base.weights import gather_full_state
 
     chunks = build_model(_model_config(moe), tp=tp, pp=1, ep=ep, sequence_parallel=sp, seed=7)
     with torch.no_grad():

@@ -50,7 +50,7 @@ def worker(layout: dict, packed: bool, cases=tuple(CASES), moe: bool = False, ta
     from megatron_cispo.config import LossConfig, from_dict
     from megatron_cispo.runner import distributed
     from megatron_cispo.runner.model import ModelConfig, build_model, build_optimizer
-    from megatron_cispo.runner.weights import gather_full_state
+    from megatron_cispo.base.weights import gather_full_state
     from megatron_cispo.step import Rollouts, StepConfig, compute_logprobs, policy_step
 
     tp, pp, cp, ep = (layout.get(k, 1) for k in ("tp", "pp", "cp", "ep"))

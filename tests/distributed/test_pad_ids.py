@@ -17,7 +17,7 @@ def worker(packed: bool, pad_id: int | None):
     from megatron_cispo.config import LossConfig, from_dict
     from megatron_cispo.runner import distributed
     from megatron_cispo.runner.model import ModelConfig, build_model, build_optimizer
-    from megatron_cispo.runner.weights import gather_full_state
+    from megatron_cispo.base.weights import gather_full_state
     from megatron_cispo.step import Rollouts, StepConfig, policy_step
 
     distributed.init_distributed()

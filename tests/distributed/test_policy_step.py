@@ -43,7 +43,7 @@ def policy_step_worker(tp, pp, vp=None, layers=4, cases=tuple(CASES), micro=2, h
     from megatron_cispo.runner import distributed
     from megatron_cispo.config import LossConfig, from_dict
     from megatron_cispo.runner.model import ModelConfig, build_model, build_optimizer
-    from megatron_cispo.runner.weights import gather_full_state
+    from megatron_cispo.base.weights import gather_full_state
     from megatron_cispo.step import Rollouts, StepConfig, compute_logprobs, policy_step
 
     distributed.init_distributed(tp=tp, pp=pp, vp=vp)
@@ -139,7 +139,7 @@ def test_update_moves_weights_and_drops_nonfinite(reference):
 def _initial_state_worker():
     from megatron_cispo.runner import distributed
     from megatron_cispo.runner.model import ModelConfig, build_model
-    from megatron_cispo.runner.weights import gather_full_state
+    from megatron_cispo.base.weights import gather_full_state
 
     distributed.init_distributed()
     mcfg = ModelConfig(vocab_size=V, seq_length=S, hidden_size=32, num_layers=4, num_attention_heads=4)

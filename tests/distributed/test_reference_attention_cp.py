@@ -67,7 +67,7 @@ def cp_worker(cp):
 
     from megatron_cispo.runner import distributed
     from megatron_cispo.runner.attention import with_reference_attention
-    from megatron_cispo.runner.weights import init_layout_independent
+    from megatron_cispo.base.weights import init_layout_independent
 
     distributed.init_distributed(cp=cp)
     config = TransformerConfig(

@@ -13,7 +13,7 @@ DIST_TIMEOUT_S = 2
 
 
 def waiting_worker(budget_s):
-    from megatron_cispo.demo.prompt_sampler import rollout_wait_group
+    from megatron_cispo.rollout.prompt_sampler import rollout_wait_group
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=DIST_TIMEOUT_S))
     group = rollout_wait_group(DIST_TIMEOUT_S, budget_s)

@@ -54,7 +54,7 @@ def worker(layout: dict, routes: dict, runs: tuple, hand_in: bool = False):
 
     from megatron_cispo.config import LossConfig, from_dict
     from megatron_cispo.runner import distributed
-    from megatron_cispo.runner.weights import gather_full_state
+    from megatron_cispo.base.weights import gather_full_state
     from megatron_cispo.step import Rollouts, StepConfig, policy_step
 
     tp, cp, sp, ep, pp = (layout.get(k, d) for k, d in (("tp", 1), ("cp", 1), ("sp", False), ("ep", 1), ("pp", 1)))

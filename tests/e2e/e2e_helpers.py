@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_cispo.demo.metrics import TIMING_KEYS as TIMING  # wall-clock keys, left out of comparisons
+from megatron_cispo.runner.metrics import TIMING_KEYS as TIMING  # wall-clock keys, left out of comparisons
 from megatron_cispo.testing import RankFailed, free_port, spawn
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -97,7 +97,7 @@ def test_what_config_json_shows_is_refused_by_check_in_one_line(tiny, tmp_path, 
 
 def test_what_only_the_weights_show_passes_check_and_is_refused_before_run_dir_exists(tiny, tmp_path, capsys,
                                                                                       monkeypatch):
-    from megatron_cispo.demo.loop import run
+    from megatron_cispo.runner.loop import run
     from megatron_cispo.runner.experiment import load_experiment
 
     q2 = tiny["qwen2"]

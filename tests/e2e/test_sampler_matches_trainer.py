@@ -12,9 +12,9 @@ from megatron_cispo.testing import spawn
 def sampler_vs_trainer_worker(tp, pp, temperature):
     from megatron_cispo.runner import distributed
     from megatron_cispo.config import LossConfig
-    from megatron_cispo.demo.gpt import TorchGPT
+    from megatron_cispo.rollout.torch_engine import TorchGPT
     from megatron_cispo.runner.model import ModelConfig, build_model, build_optimizer
-    from megatron_cispo.runner.weights import gather_full_state
+    from megatron_cispo.base.weights import gather_full_state
     from megatron_cispo.step import Rollouts, StepConfig, compute_logprobs, policy_step
 
     distributed.init_distributed(tp=tp, pp=pp)

@@ -105,7 +105,7 @@ def test_staleness_0_fp32_ratio_is_1_every_step_through_kills_in_a_weight_push_a
     due), resumed to the end in async mode: one engine per launch, which dies with its trainer; no
     prompt lost or trained twice; the ratio within 1e-4 of 1 on every step, the steps after each resume
     included (the new engine has the checkpoint's weights)."""
-    from megatron_cispo.demo.prompt_sources import TEST_PAUSE_ENV
+    from megatron_cispo.rollout.prompt_sources import TEST_PAUSE_ENV
 
     run_dir = tmp_path / "run"
     reward = f"data.reward={model.parent / 'spread.py'}:spread"

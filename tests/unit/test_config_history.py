@@ -1,6 +1,6 @@
-"""run_dir/config_history/ (demo/loop.py _record_config): each start's config is kept under the next
+"""run_dir/config_history/ (runner/loop.py _record_config): each start's config is kept under the next
 number; a file there that this code did not write never stops a run."""
-from megatron_cispo.demo.loop import _record_config
+from megatron_cispo.runner.loop import _record_config
 
 
 def test_each_start_gets_the_next_number_and_stray_names_are_ignored(tmp_path):

@@ -4,7 +4,7 @@ import json
 import sys
 import types
 
-from megatron_cispo.demo import metrics as M
+from megatron_cispo.runner import metrics as M
 from megatron_cispo.demo.report import checks, summarize, table
 
 

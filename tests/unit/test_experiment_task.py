@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from megatron_cispo.demo.sampler import Sampler
-from megatron_cispo.demo.task import PAD, Task, group_advantages
+from megatron_cispo.rollout.inprocess import InProcessEngine
+from megatron_cispo.rollout.sampler import Sampler
+from megatron_cispo.rollout.task import PAD, Task, group_advantages
 from megatron_cispo.runner.experiment import RolloutConfig
 from megatron_cispo.runner.model import ModelConfig
 
@@ -166,14 +167,16 @@ def test_sampling_is_deterministic_and_logprobs_match_the_sampled_tokens():
     assert (a.rollout_logprobs[~a.loss_mask] == 0).all()
 
 
-class _EosHeavyEngine:
+class _EosHeavyEngine(InProcessEngine):
     """Logits that give EOS probability 0.3 and every other id the same share, at every position."""
 
     def __init__(self, vocab: int, eos: int):
+        super().__init__(seed=0)  # the Sampler's seed: its draws are keyed by it
+        self.ready = True
         self.logp = torch.full((vocab,), 0.7 / (vocab - 1)).log()
         self.logp[eos] = torch.tensor(0.3).log()
 
-    def logits(self, tokens):
+    def logits(self, tokens, routes=None):
         return self.logp.expand(*tokens.shape, -1).clone()
 
 

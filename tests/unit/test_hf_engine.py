@@ -1,4 +1,4 @@
-"""rollout.engine=hf: transformers' own model on the trainer's synced weights (hf/engine.py), and the
+"""rollout.engine=hf: transformers' own model on the trainer's synced weights (rollout/hf_engine.py), and the
 Sampler that samples with it.
 
 The engine's logits equal transformers' from_pretrained of the model directory (the export mapping
@@ -41,7 +41,7 @@ def test_hf_engine_logits_equal_transformers_from_pretrained_fp32(models, family
     import transformers
 
     from megatron_cispo.hf.arch import read_arch
-    from megatron_cispo.hf.engine import HFEngine
+    from megatron_cispo.rollout.hf_engine import HFEngine
 
     path = models[family]
     arch = read_arch(path)
@@ -57,10 +57,10 @@ def test_hf_engine_logits_equal_transformers_from_pretrained_fp32(models, family
 def megatron_vs_engine_worker(paths):
     """One process, tp=1: per family, max |megatron GPTModel logits - HFEngine logits| on the
     megatron model's gathered full state (what Sampler.sync receives), over the real vocabulary."""
-    from megatron_cispo.hf.engine import HFEngine
+    from megatron_cispo.rollout.hf_engine import HFEngine
     from megatron_cispo.runner import distributed
     from megatron_cispo.runner.model import ModelConfig, build_model
-    from megatron_cispo.runner.weights import gather_full_state
+    from megatron_cispo.base.weights import gather_full_state
 
     distributed.init_distributed()
     out = {}
@@ -83,7 +83,7 @@ def test_hf_engine_logits_equal_megatron_model_from_the_same_directory_fp32(mode
 
 
 def _sampler(path: str, **rollout):
-    from megatron_cispo.demo.sampler import Sampler
+    from megatron_cispo.rollout.sampler import Sampler
     from megatron_cispo.runner.experiment import RolloutConfig
     from megatron_cispo.runner.model import ModelConfig
 
@@ -93,7 +93,7 @@ def _sampler(path: str, **rollout):
 
 
 def test_hf_sampler_builds_each_version_once_and_samples_transformers_logprobs(models):
-    from megatron_cispo.hf.engine import HFEngine
+    from megatron_cispo.rollout.hf_engine import HFEngine
 
     path = models["qwen2"]
     sampler = _sampler(path, temperature=0.7)
@@ -127,7 +127,7 @@ def test_hf_sampler_draws_any_vocabulary_id_and_a_non_task_id_scores_wrong(model
 
 
 def test_task_scores_an_hf_id_past_its_symbols_as_a_wrong_position():
-    from megatron_cispo.demo.task import Task
+    from megatron_cispo.rollout.task import Task
     from megatron_cispo.runner.experiment import RolloutConfig
 
     task = Task(RolloutConfig(task="reverse", digits=3))

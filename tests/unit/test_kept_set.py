@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from megatron_cispo.fused_head import fused_token_logprobs
 from megatron_cispo.kept_set import KeptSet
+from megatron_cispo.rollout.inprocess import InProcessEngine
 from megatron_cispo.logprobs import token_logprobs
 
 N, V, T = 40, 300, 0.7
@@ -380,7 +381,7 @@ def test_rollout_top_k_and_top_p_are_validated(key, value, match):
 
 
 def test_top_k_top_p_transcribes_vllms_apply_top_k_top_p():
-    from megatron_cispo.demo.sampler import top_k_top_p
+    from megatron_cispo.rollout.sampler import top_k_top_p
 
     # vllm-project/vllm vllm/v1/sample/ops/topk_topp_sampler.py::apply_top_k_top_p and
     # apply_top_k_only (commit 3babc05), as vLLM writes them
@@ -422,19 +423,21 @@ def test_top_k_top_p_transcribes_vllms_apply_top_k_top_p():
         assert torch.equal(top_k_top_p(logits, k, p), vllm_apply_top_k_top_p(logits.clone(), vk, vp))
 
 
-class _BigramEngine:
+class _BigramEngine(InProcessEngine):
     """Stands in for the sampler's TorchGPT: logits [b, s, V] that depend on the previous token."""
 
     def __init__(self, vocab: int, seed: int = 0):
+        super().__init__(seed=1)  # the Sampler's seed: its draws are keyed by it
+        self.ready = True
         self.table = torch.randn(vocab, vocab, generator=torch.Generator().manual_seed(seed)) * 2
 
-    def logits(self, tokens):
+    def logits(self, tokens, routes=None):
         return self.table[tokens]
 
 
 @pytest.mark.parametrize("top_k, top_p", [(3, 1.0), (0, 0.7), (4, 0.9)])
 def test_sampler_returns_kept_sets_and_logprobs_renormalised_over_them(top_k, top_p):
-    from megatron_cispo.demo.sampler import Sampler
+    from megatron_cispo.rollout.sampler import Sampler
     from megatron_cispo.runner.experiment import RolloutConfig
     from megatron_cispo.runner.model import ModelConfig
     from megatron_cispo.step import Rollouts
@@ -462,7 +465,7 @@ def test_sampler_returns_kept_sets_and_logprobs_renormalised_over_them(top_k, to
 
 
 def test_sampler_without_top_k_or_top_p_sends_no_kept_sets():
-    from megatron_cispo.demo.sampler import Sampler
+    from megatron_cispo.rollout.sampler import Sampler
     from megatron_cispo.runner.experiment import RolloutConfig
     from megatron_cispo.runner.model import ModelConfig
 

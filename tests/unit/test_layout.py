@@ -102,10 +102,12 @@ def test_imports_run_one_way_library_runner_demo_train():
 @pytest.mark.parametrize("where, line", [
     ("losses/cispo.py", "from ..runner import checkpoint"),          # library -> runner
     ("step/reduce.py", "from megatron_cispo.testing import spawn"),   # library -> testing
-    ("logprobs.py", "import megatron_cispo.demo.task"),                # library -> demo
+    ("logprobs.py", "import megatron_cispo.rollout.task"),                # library -> demo
     ("runner/model.py", "from ..demo import task"),                   # runner -> demo
-    ("demo/loop.py", "from .. import train"),                         # demo -> train
-    ("hf/load.py", "    from ..runner.weights import gather_full_state"),  # hf is a leaf: not even lazily
+    ("runner/loop.py", "from .. import train"),                         # runner -> train
+    ("hf/load.py", "    from ..runner.model import build_model"),  # hf is a leaf: not even lazily
+    ("runner/loop.py", "    from ..demo.report import finish_run"),  # runner -> demo (train.py passes it)
+    ("rollout/sampler.py", "from ..runner.metrics import say"),       # rollout -> runner
     ("hf/export.py", "from ..rollout.weight_stream import stream_buckets"),  # hf -> rollout
     ("rollout/weight_stream.py", "from ..runner import checkpoint_save"),  # rollout -> runner
     ("base/files.py", "from ..hf.arch import HFArch"),                # base -> hf

@@ -7,7 +7,7 @@ import tempfile
 
 import pytest
 
-from megatron_cispo.demo import metrics as M
+from megatron_cispo.runner import metrics as M
 
 
 def _rec(step, **kw):

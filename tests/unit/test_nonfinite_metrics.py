@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from megatron_cispo.demo.metrics import MetricsWriter, json_line, read_metrics
+from megatron_cispo.runner.metrics import MetricsWriter, json_line, read_metrics
 from megatron_cispo.demo.report import summarize
 from megatron_cispo.runner.experiment import OptimizerConfig, RunConfig
 

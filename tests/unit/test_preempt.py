@@ -118,7 +118,7 @@ import os, sys, time
 from megatron_cispo.runner import preempt
 preempt.install(console_log=sys.argv[1])
 print("started", flush=True)
-from megatron_cispo.demo.metrics import say
+from megatron_cispo.runner.metrics import say
 while not preempt.requested():  # a progress line per step, as the demo prints it (a lost line is no error)
     say("step", sys.stdout)
     time.sleep(0.01)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from megatron_cispo.config import ConfigError
-from megatron_cispo.demo.prompt_sources import eos_ids, rows_to_batch
-from megatron_cispo.demo.task import group_advantages
+from megatron_cispo.rollout.prompt_sources import eos_ids, rows_to_batch
+from megatron_cispo.rollout.task import group_advantages
 from megatron_cispo.rollout.vllm_engine import Completion
 from megatron_cispo.runner.experiment import load_experiment
 

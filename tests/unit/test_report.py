@@ -157,7 +157,7 @@ def test_held_out_accuracy_reaches_the_table_the_figure_and_the_seeds_summary(tm
 def test_the_evaluation_before_training_has_its_own_progress_line(tmp_path):
     import io
 
-    from megatron_cispo.demo.metrics import MetricsWriter
+    from megatron_cispo.runner.metrics import MetricsWriter
 
     out = io.StringIO()
     w = MetricsWriter(tmp_path, label="x", total_steps=4, log_interval=10, tensorboard=False, stream=out)

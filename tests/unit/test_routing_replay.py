@@ -119,7 +119,7 @@ def _step(chunks, opt, batch, mode="rollout", old_pass="auto", recompute=False, 
 
 def replay_worker():
     from megatron_cispo.runner import distributed
-    from megatron_cispo.runner.weights import gather_full_state
+    from megatron_cispo.base.weights import gather_full_state
 
     distributed.init_distributed()
     out = {}

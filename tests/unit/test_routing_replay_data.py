@@ -17,9 +17,9 @@ def sampler_worker():
     """The demo's torch sampler (fp32) on the model's weights: its routes, and moe/route_mismatch
     of a policy step given them (routing_replay off: measured only)."""
     from megatron_cispo.config import LossConfig
-    from megatron_cispo.demo.sampler import Sampler
+    from megatron_cispo.rollout.sampler import Sampler
     from megatron_cispo.runner.experiment import RolloutConfig
-    from megatron_cispo.runner.weights import gather_full_state
+    from megatron_cispo.base.weights import gather_full_state
     from megatron_cispo.runner import distributed
     from megatron_cispo.step import Rollouts, StepConfig, policy_step
 
@@ -89,11 +89,11 @@ def hf_worker(path):
     """The hf engine (transformers qwen3_moe) as sampler of a megatron model loaded from the same
     checkpoint: its routes, and the trainer's moe/route_mismatch against them (fp32, replay off)."""
     from megatron_cispo.config import LossConfig
-    from megatron_cispo.demo.sampler import Sampler
+    from megatron_cispo.rollout.sampler import Sampler
     from megatron_cispo.runner import distributed
     from megatron_cispo.runner.experiment import RolloutConfig
     from megatron_cispo.runner.model import ModelConfig, build_model, build_optimizer
-    from megatron_cispo.runner.weights import gather_full_state
+    from megatron_cispo.base.weights import gather_full_state
     from megatron_cispo.step import Rollouts, StepConfig, policy_step
 
     distributed.init_distributed()
@@ -154,11 +154,11 @@ def test_train_says_bad_routes_once_from_rank_0_without_a_traceback(capsys, monk
     from rank 0 only, in one line, exit 7 on every rank."""
     from pathlib import Path
 
-    import megatron_cispo.demo.loop as loop
+    import megatron_cispo.runner.loop as loop
     import megatron_cispo.train as train
     from megatron_cispo.step.routing_replay import BadRoutes
 
-    def run(cfg):
+    def run(cfg, finish=None):
         raise BadRoutes("rollouts.routed_experts: sample 6 (global index), MoE layer 1 ...")
     monkeypatch.setattr(loop, "run", run)
     monkeypatch.setattr(train, "SPEAK_FIRST_S", 0.0)

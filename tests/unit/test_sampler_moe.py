@@ -3,7 +3,7 @@ experts, TopKRouter) from its full state: same routing, same expert mix, same lo
 import pytest
 import torch
 
-from megatron_cispo.demo.gpt import TorchGPT
+from megatron_cispo.rollout.torch_engine import TorchGPT
 from megatron_cispo.runner.model import ModelConfig
 from megatron_cispo.testing import spawn
 
@@ -20,7 +20,7 @@ def megatron_moe_worker(experts, topk):
     smallest gap between a token's k-th and (k+1)-th router logit over every layer."""
     from megatron_cispo.runner import distributed
     from megatron_cispo.runner.model import build_model
-    from megatron_cispo.runner.weights import gather_full_state
+    from megatron_cispo.base.weights import gather_full_state
 
     distributed.init_distributed()
     cfg = _cfg(experts, topk)
@@ -84,7 +84,7 @@ def test_torch_gpt_names_a_missing_expert_weight(megatron_moe):
 
 def test_bf16_moe_sampler_rolls_out_a_variable_length_batch(megatron_moe):
     """The stale sampler runs the MoE state in bf16 (routing in fp32) on the dedup task."""
-    from megatron_cispo.demo.sampler import Sampler
+    from megatron_cispo.rollout.sampler import Sampler
     from megatron_cispo.runner.experiment import RolloutConfig
     from megatron_cispo.step import Rollouts
 

@@ -26,7 +26,7 @@ def test_megatron_core_loads_without_inductor_and_torch_compile_is_restored():
 
 def test_the_cli_reaches_init_distributed_before_any_megatron_import():
     # Otherwise import_megatron_core finds megatron.core loaded (compiled) and does nothing.
-    code = ("import sys, megatron_cispo.train, megatron_cispo.demo.loop, megatron_cispo.runner.distributed; "
+    code = ("import sys, megatron_cispo.train, megatron_cispo.runner.loop, megatron_cispo.runner.distributed; "
             "print(sorted(m for m in sys.modules if m.startswith('megatron.')))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"})

@@ -72,7 +72,7 @@ def _reference(model_dir, prompt, completion, temperature, top_k, top_p):
     """transformers fp32 on model_dir: each sampled token's processed logprob and its kept set."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_cispo.demo.sampler import top_k_top_p
+    from megatron_cispo.rollout.sampler import top_k_top_p
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ids = torch.tensor([prompt + completion.token_ids])
     with torch.no_grad():

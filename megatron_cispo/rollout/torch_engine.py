@@ -1,6 +1,8 @@
-"""A plain-PyTorch GPT that runs megatron-core GPTModel weights: the sampler's inference engine.
+"""rollout.engine=torch: a plain-PyTorch GPT that runs megatron-core GPTModel weights (the synthetic GPT).
 
     logits = TorchGPT(gather_full_state(chunks), model_cfg, dtype=torch.bfloat16).logits(tokens)
+    eng = open_engine(EngineStart(model=model_cfg, precision="bf16", seed=0, max_model_len=16))
+    eng.update_weights(buckets, manifest=..., bucket_bytes=n)   # megatron-named buckets (engine.py)
 
 It reads the full (unsharded) state under megatron's global parameter names, from the local
 or the Transformer Engine layer spec, and reproduces GPTModel's forward (learned positions,
@@ -16,6 +18,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..base.param_names import canonical_names
+from .engine import EngineStart
+from .inprocess import InProcessEngine
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class TorchGPT:
@@ -117,3 +123,26 @@ class TorchGPT:
             normed = self._ln(h, p + ".pre_mlp_layernorm")
             h = h + (self._mlp(normed, p + ".mlp") if self.num_experts is None else self._moe(normed, p + ".mlp", routes))
         return F.linear(self._ln(h, "decoder.final_layernorm"), self.w["output_layer.weight"])
+
+
+class TorchEngine(InProcessEngine):
+    """The engine protocol (engine.py) over TorchGPT: megatron-named full tensors in, samples out."""
+
+    def __init__(self, model_cfg, *, dtype: torch.dtype, seed: int, device="cpu"):
+        super().__init__(seed=seed, device=device)
+        self.model_cfg, self.dtype = model_cfg, dtype
+        self.gpt: Optional[TorchGPT] = None
+        self.moe = getattr(model_cfg, "num_moe_experts", None) is not None
+
+    def _load(self, tensors: dict[str, Tensor]) -> None:
+        self.gpt = TorchGPT(tensors, self.model_cfg, dtype=self.dtype, device=self.device)
+
+    def logits(self, tokens: Tensor, routes: Optional[list] = None) -> Tensor:
+        return self.gpt.logits(tokens, routes=routes)
+
+    def _drop(self) -> None:
+        self.gpt = None
+
+
+def open_engine(start: EngineStart) -> TorchEngine:
+    return TorchEngine(start.model, dtype=_DTYPES[start.precision], seed=start.seed, device=start.device)

@@ -11,7 +11,7 @@ import hashlib
 
 import torch
 
-from ..base.param_names import canonical_names, global_param_name, shard_group, tp_split_dim
+from .param_names import canonical_names, global_param_name, shard_group, tp_split_dim
 
 
 def _seed_for(seed: int, name: str) -> int:

@@ -18,8 +18,8 @@ from typing import Optional
 import torch
 
 from ..kept_set import KeptSet
-from ..rollout.prompts import PromptStream
-from ..runner.data import prompt_limit
+from .prompts import PromptStream
+from .vllm_options import prompt_limit
 from .sampler import PAD, Batch
 from .task import group_advantages
 
@@ -74,8 +74,8 @@ def check_sources(cfg) -> Optional[Sources]:
     the reward's import. Before any rank starts. Returns what it read (None without data.prompts)."""
     if cfg.rollout.engine != "vllm":
         return None
-    from ..rollout.rewards import load_reward
-    from ..rollout.vllm_engine import cpu_model_problem, vllm_missing
+    from .rewards import load_reward
+    from .vllm_engine import cpu_model_problem, vllm_missing
 
     stream = open_prompts(cfg)
     held = open_prompts(cfg, held_out=True) if cfg.data.eval_prompts else None
@@ -87,7 +87,7 @@ def check_sources(cfg) -> Optional[Sources]:
     load_reward(cfg.data.reward)
     problem = vllm_missing() or cpu_model_problem(cfg.model.arch, cuda=torch.cuda.is_available())
     if cfg.rollout.sync == "stream":
-        from ..rollout.weight_stream import bucket_problem, stream_problem
+        from .weight_stream import bucket_problem, stream_problem
 
         problem = problem or stream_problem(cfg.model.arch) or bucket_problem(
             cfg.model.arch, cfg.rollout.sync_bucket_mb, tp=cfg.parallelism.tp)

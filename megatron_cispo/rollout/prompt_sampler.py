@@ -36,8 +36,9 @@ import torch.distributed as dist
 from ..hf.export import write_hf_dir
 from ..hf.mapping import to_hf
 from ..base.param_names import canonical_names
-from ..rollout.vllm_options import engine_len
-from .metrics import say
+from .engine import Sampling
+from .vllm_options import engine_len
+from ..base.console import say
 from .prompt_sources import RolloutFailed, Sources, _pause_for_tests, _seed, eos_ids, open_prompts, rows_to_batch
 from .sampler import Batch, Sampler
 
@@ -112,7 +113,7 @@ class PromptSampler(Sampler):
         """data.reward of `completions` (`group` per prompt, default rollout.group_size): (rewards, None where
         one failed; the step's reward/ counts), the first failure said in one line. held_out: the eval's own
         reward worker (in async mode the feed's thread scores with the other meanwhile)."""
-        from ..rollout.rewards import RewardRunner
+        from .rewards import RewardRunner
 
         name = "eval_reward" if held_out else "reward"
         if getattr(self, name) is None:
@@ -134,23 +135,31 @@ class PromptSampler(Sampler):
                              "reward/seconds": time.perf_counter() - t0}
 
     def _start_engine(self, model_dir: str, stream: bool) -> dict:
-        from ..rollout.vllm_engine import VLLMEngine
+        """Rank 0: rollout.engine started on model.hf_path's family, fed by update_weights (stream), or
+        (rollout.sync=disk) vLLM on the export `model_dir`."""
+        from .engine import EngineStart, engine_spec
+        from .vllm_engine import VLLMEngine
 
         r = self.cfg
         options = {k: v for k, v in r.vllm.items() if k != "max_model_len"}  # rollout.vllm, checked at --check
-        self.engine_ = VLLMEngine(model_dir, precision=r.precision, seed=self.seed,
-                                  max_model_len=engine_len(r.vllm, self.model_cfg.seq_length),
-                                  kept_sets=r.top_k > 0 or r.top_p < 1, start_timeout_s=self.limit_s / 2,
-                                  call_timeout_s=self.limit_s / 2, log_path=str(self.log), stream=stream,
-                                  engine_kwargs=options)
-        return {"rollout/engine_start_s": self.engine_.start_seconds}
+        start = EngineStart(model=self.model_cfg, precision=r.precision, seed=self.seed,
+                            max_model_len=engine_len(r.vllm, self.model_cfg.seq_length),
+                            kept_sets=r.top_k > 0 or r.top_p < 1, log_path=str(self.log),
+                            start_timeout_s=self.limit_s / 2, call_timeout_s=self.limit_s / 2, options=options)
+        if stream:
+            self.engine_ = engine_spec(r.engine).open(start)
+        else:
+            self.engine_ = VLLMEngine(model_dir, precision=r.precision, seed=self.seed, max_model_len=start.max_model_len,
+                                      kept_sets=start.kept_sets, start_timeout_s=start.start_timeout_s,
+                                      call_timeout_s=start.call_timeout_s, log_path=start.log_path, engine_kwargs=options)
+        return {"rollout/engine_start_s": getattr(self.engine_, "start_seconds", 0.0)}
 
     def _stream_to_engine(self, version: int) -> tuple[dict, Optional[str]]:
         """Collective (rollout.sync=stream): version `version` into the engine, bucket by bucket; rank 0
         returns (sync metrics, None) or ({}, the failure's line), having drained the stream either way so
         no sender is left waiting. The engine's previous weights stay when the push fails."""
         from ..hf.mapping import hf_shapes
-        from ..rollout.weight_stream import hf_namer, stream_buckets
+        from .weight_stream import hf_namer, stream_buckets
 
         held = self.versions[version]  # None: the live parameters (or, off DP = CP = 0, nothing to send)
         if held is None and version != self.live and self._sends():
@@ -168,7 +177,8 @@ class PromptSampler(Sampler):
             if self.engine_ is None:
                 info.update(self._start_engine(self.model_cfg.hf_path, stream=True))
             buckets = stream(self.engine_.buffer(hf_shapes(arch), size))  # packed in the engine's shared file
-            info.update(self.engine_.push(self._paused(buckets, version), manifest=hf_shapes(arch), bucket_bytes=size))
+            info.update(self.engine_.update_weights(self._paused(buckets, version), manifest=hf_shapes(arch),
+                                                     bucket_bytes=size))
         except Exception as e:  # noqa: BLE001 - reported on every rank through the batch's broadcast
             error = f"weight sync of policy version {version} failed: {e}"
         for _ in buckets if buckets is not None else stream():  # after a failure the other senders still send
@@ -199,15 +209,15 @@ class PromptSampler(Sampler):
         r, g = self.cfg, self.cfg.group_size
         _pause_for_tests(self.exp.run.run_dir, "generate", index)
         t0 = time.perf_counter()
-        out = self.engine_.generate([p.token_ids for p in prompts], n=g, max_new_tokens=r.max_new_tokens,
-                                    temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                                    seeds=[_seed(self.seed, p.index, g) for p in prompts], stop_token_ids=self.eos)
+        out = self.engine_.generate([p.token_ids for p in prompts], Sampling(
+            n=g, max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+            seeds=[_seed(self.seed, p.index, g) for p in prompts], stop_token_ids=self.eos))
         return prompts, [c for per_prompt in out for c in per_prompt], time.perf_counter() - t0
 
     def _groups(self, generated: tuple, info: dict, start: float) -> list:
         """_generate's samples scored by data.reward within what is left of the step's limit, as groups;
         the reward's counts and the generation time are added to info."""
-        from ..rollout.group_filter import Group
+        from .group_filter import Group
 
         prompts, completions, seconds = generated
         g = self.cfg.group_size
@@ -220,7 +230,7 @@ class PromptSampler(Sampler):
     def _scored(self, generated: tuple, version: int, info: dict, start: float, engine=contextlib.nullcontext) -> Batch:
         """The batch of _generate's samples, scored; rollout.filter_groups: the groups without signal
         dropped and refilled (rollout/group_filter.py), each refill generated with `engine()` held."""
-        from ..rollout.group_filter import refill, zero_signal_frac
+        from .group_filter import refill, zero_signal_frac
 
         groups = self._groups(generated, info, start)
         info["rollout/zero_signal_group_frac"] = zero_signal_frac(groups)  # before any filter
@@ -247,7 +257,7 @@ class PromptSampler(Sampler):
         return self._scored(generated, version, {}, start, engine=self.feed.engine), self.stream.state_dict()
 
     def _start_feed(self, step: int, version: int) -> None:
-        from ..rollout.async_feed import AsyncFeed
+        from .async_feed import AsyncFeed
 
         self._trained_prompts = self.stream.state_dict()
         self.feed = AsyncFeed(self._feed_generate, self._feed_finish, staleness=self.cfg.staleness,
@@ -303,10 +313,10 @@ class PromptSampler(Sampler):
         t0 = time.perf_counter()
         # seeds past any training prompt's (those are _seed(seed, stream index, group_size))
         base = _seed(self.seed, 0, 1) + 2**40
-        out = self.engine_.generate([p.token_ids for p in prompts], n=k, max_new_tokens=r.max_new_tokens,
-                                    temperature=0.0 if greedy else r.temperature, top_k=0 if greedy else r.top_k,
-                                    top_p=1.0 if greedy else r.top_p, seeds=[base + i * k for i in range(len(prompts))],
-                                    stop_token_ids=self.eos)
+        out = self.engine_.generate([p.token_ids for p in prompts], Sampling(
+            n=k, max_new_tokens=r.max_new_tokens, temperature=0.0 if greedy else r.temperature,
+            top_k=0 if greedy else r.top_k, top_p=1.0 if greedy else r.top_p,
+            seeds=[base + i * k for i in range(len(prompts))], stop_token_ids=self.eos))
         completions = [c for per_prompt in out for c in per_prompt]
         rewards, scored = self._scores(prompts, completions, self.reward_budget_s or self.limit_s / 2, group=k,
                                        held_out=True)

@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..base.console import say
+
 METRICS_FILE = "metrics.jsonl"
 # Flat names required in every record, from policy_step's namespaced keys ({loss} = policy_loss).
 HEADLINE = {
@@ -81,15 +83,6 @@ def _parse(path: Path) -> tuple[list[dict], list[int], int]:
         else:
             bad.append(i)
     return recs, bad, len(lines)
-
-
-def say(line: str, stream=None) -> None:
-    """Print one console line (stderr by default). A terminal that went away (EIO after a hang-up,
-    before SIGHUP's handler moved the output to run_dir/console.log) loses the line, never the run."""
-    try:
-        print(line, file=sys.stderr if stream is None else stream, flush=True)
-    except OSError:
-        pass
 
 
 def _warn(text: str) -> None:

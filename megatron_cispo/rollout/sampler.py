@@ -5,29 +5,29 @@
 
 As in a fully-async system it never reads the trainer's live parameters: it keeps the synced
 versions in a queue, samples with its own temperature and precision (e.g. bf16 against an
-fp32 trainer) and returns its per-token logprobs. rollout.engine picks what computes the logits:
-torch (demo/gpt.TorchGPT, the synthetic GPT) or hf (hf/engine.HFEngine: transformers' model of
-model.hf_path's family, loaded from the weights exported by hf/mapping.to_hf). Every rank generates the whole global batch
-from generators keyed by (seed, step, global sample index) and keeps its DP shard. Variable-length
-tasks still sample answer_len tokens per row; a row ends at its first EOS (`Batch.lengths`).
-With rollout.top_k / top_p it samples from the filtered distribution, as vLLM does, and returns
-the kept sets (compressed rows) and the logprobs renormalised over them (sampling-mask replay).
+fp32 trainer) and returns its per-token logprobs. rollout.engine picks the engine (engine.py's registry):
+torch (torch_engine.py, the synthetic GPT) or hf (hf_engine.py: transformers' model of model.hf_path's
+family); a version reaches it through the engine protocol, as named buckets (update_weights), and the
+batch comes from its generate(). Every rank generates the whole global batch (sample r of step t keyed
+by t * n + r) and keeps its DP shard. Variable-length tasks still sample answer_len tokens per row; a
+row ends at its first EOS (`Batch.lengths`). With rollout.top_k / top_p it samples from the filtered
+distribution, as vLLM does, and returns the kept sets (compressed rows) and the logprobs renormalised
+over them (sampling-mask replay).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 from torch import Tensor
 
-from .gpt import TorchGPT
-from ..hf.engine import HFEngine
+from ..base.param_names import canonical_names
 from ..kept_set import KeptSet
-from .task import PAD, Task, group_advantages, keyed_generator
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-Engine = Union[TorchGPT, HFEngine]  # rollout.engine torch | hf: both map tokens [b, s] -> logits [b, s, V]
+from .engine import Engine, EngineStart, Sampling, engine_spec
+from .inprocess import top_k_top_p  # noqa: F401 - tests import it from here
+from .task import PAD, Task, group_advantages
+from .weight_stream import tensor_buckets
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,23 +55,6 @@ class Batch:
                 "advantages": self.advantages, "rollout_logprobs": self.rollout_logprobs, **kept, **routes}
 
 
-def top_k_top_p(logits: Tensor, k: int, p: float) -> Tensor:
-    """logits [n, V] with -inf outside the kept set, as vLLM's apply_top_k_top_p (vllm/v1/sample/
-    ops/topk_topp_sampler.py) filters them: top-k keeps every logit >= the k-th largest (ties
-    kept); top-p then drops the tokens whose ascending cumulative probability (after top-k) is
-    <= 1 - p, never the most likely. k = 0 and p = 1 are off."""
-    if k <= 0 and p >= 1.0:
-        return logits
-    srt, idx = logits.sort(-1)  # ascending
-    if 0 < k < srt.shape[-1]:
-        srt = srt.masked_fill(srt < srt[:, -k, None], -torch.inf)
-    if p < 1.0:
-        drop = srt.softmax(-1).cumsum(-1) <= 1 - p
-        drop[:, -1] = False
-        srt = srt.masked_fill(drop, -torch.inf)
-    return srt.scatter(-1, idx, srt)
-
-
 class Sampler:
     def __init__(self, model_cfg, rollout_cfg, *, seed: int, device: torch.device | str = "cpu"):
         self.model_cfg, self.cfg, self.seed, self.device = model_cfg, rollout_cfg, seed, device
@@ -96,12 +79,13 @@ class Sampler:
         for v in [v for v in self.versions if v < version - self.cfg.staleness]:
             del self.versions[v]
         if self._built is not None and (self._built[0] == version or self._built[0] not in self.versions):
+            self._built[1].close()
             self._built = None  # built from weights it no longer holds
 
     def push(self, version: int, chunks) -> None:
         """Collective: the trainer's model chunks are now policy version `version`; gathered whole
         (runner/weights.gather_full_state) for this in-process engine's copy."""
-        from ..runner.weights import gather_full_state
+        from ..base.weights import gather_full_state
 
         self.sync(version, gather_full_state(chunks))
 
@@ -109,17 +93,26 @@ class Sampler:
         """After a checkpoint's load: its versions came with it (load_state_dict); nothing to do."""
 
     def engine(self, version: int) -> Engine:
-        """The inference engine (rollout.engine) on policy version `version`'s weights, built once per
-        version: the last one built is kept, so a version sampled again is not rebuilt."""
+        """The inference engine (rollout.engine) on policy version `version`'s weights, streamed in as the
+        engine names them, built once per version: the last one built is kept, so a version sampled again
+        is not rebuilt."""
         if version not in self.versions:
             raise KeyError(f"sampler has no weights of policy version {version} (has {sorted(self.versions)})")
         if self._built is None or self._built[0] != version:
-            self._built = None  # free the old engine before building the next
-            dtype = _DTYPES[self.cfg.precision]
-            if self.cfg.engine == "hf":
-                built = HFEngine(self.versions[version], self.model_cfg.arch, dtype=dtype, device=self.device)
-            else:
-                built = TorchGPT(self.versions[version], self.model_cfg, dtype=dtype, device=self.device)
+            if self._built is not None:
+                self._built[1].close()  # free the old engine before building the next
+            self._built = None
+            spec = engine_spec(self.cfg.engine)
+            built = spec.open(EngineStart(model=self.model_cfg, precision=self.cfg.precision, seed=self.seed,
+                                          max_model_len=self.task.total_len, device=self.device))
+            named = canonical_names(self.versions[version])
+            if spec.names == "hf":
+                from ..hf.mapping import to_hf
+
+                named = to_hf(named, self.model_cfg.arch)
+            size = self.cfg.sync_bucket_bytes
+            built.update_weights(tensor_buckets(named, size), manifest={k: tuple(v.shape) for k, v in named.items()},
+                                 bucket_bytes=size)
             self._built = (version, built)
         return self._built[1]
 
@@ -127,43 +120,31 @@ class Sampler:
         """(tokens [n, total_len], logprobs [n, answer_len] fp32) of `sample`, without the kept sets."""
         return self.sample(engine, prompts, step)[:2]
 
-    @torch.no_grad()
     def sample(self, engine: Engine, prompts: Tensor, step: int) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
         """Sample answer_len tokens per row -> (tokens [n, total_len], logprobs [n, answer_len] fp32,
         kept [n, answer_len, V] bool: each draw's kept set, all True without top_k / top_p, routes
-        [n, total_len - 1, moe_layers, k] int64 or None: the experts of each fed token, MoE models only).
+        [n, total_len - 1, moe_layers, k] int64 or None: the experts of each fed token, MoE engines only).
 
-        Routes are kept as a KV-cached engine computes them once: the prompt's from the first forward
-        (the prefill), each sampled token's from the forward that fed it (its decode step).
-
-        Row i is global sample index step * n + i; its uniforms come from a generator keyed by it.
-        Recomputes the whole prefix per token (no KV cache): sequences are a dozen tokens.
-        Temperature applies before top-k / top-p, and the logprobs are over the kept set (vLLM's
-        processed_logprobs).
+        Row i is global sample index step * n + i (engine.generate's seed of a one-sample prompt), so
+        its draws are the same on every rank and layout. No stop token: the task finds each row's EOS.
         """
         n, a = prompts.shape[0], self.task.answer_len
-        u = torch.stack([torch.rand(a, generator=keyed_generator(self.seed, "sample", step * n + i))
-                         for i in range(n)]).to(self.device)
-        tokens, logps, kept = prompts.to(self.device), [], []
-        moe = getattr(engine, "num_experts", None) is not None  # TorchGPT and HFEngine of an MoE model
-        routes: list[Tensor] = []  # per forward: [n, new positions, layers, k]
-        for j in range(a):
-            layers: Optional[list] = [] if moe else None
-            logits = engine.logits(tokens, routes=layers) if moe else engine.logits(tokens)
-            if moe:
-                routes.append(torch.stack(layers, 2)[:, (0 if j == 0 else -1):])
-            logits = logits[:, -1].float() / self.cfg.temperature
-            logits = top_k_top_p(logits, self.cfg.top_k, self.cfg.top_p)
-            logp = torch.log_softmax(logits, -1)
-            cdf = logp.exp().cumsum(-1)
-            # right: a draw never lands on a token of zero probability (one outside the kept set)
-            nxt = torch.searchsorted(cdf, (u[:, j] * cdf[:, -1]).unsqueeze(1), right=True)
-            nxt.clamp_(max=logits.shape[-1] - 1)
-            logps.append(logp.gather(1, nxt).squeeze(1))
-            kept.append(torch.isfinite(logits))
-            tokens = torch.cat([tokens, nxt], 1)
-        routed = torch.cat(routes, 1).cpu() if moe else None
-        return tokens.cpu(), torch.stack(logps, 1).cpu(), torch.stack(kept, 1).cpu(), routed
+        out = engine.generate(prompts.tolist(), Sampling(n=1, max_new_tokens=a, seeds=[step * n + i for i in range(n)],
+                                                         temperature=self.cfg.temperature, top_k=self.cfg.top_k,
+                                                         top_p=self.cfg.top_p))
+        done = [per_prompt[0] for per_prompt in out]
+        tokens = torch.cat([prompts, torch.tensor([c.token_ids for c in done], dtype=torch.long)], 1)
+        logps = torch.tensor([c.logprobs for c in done], dtype=torch.float32)
+        # as wide as any kept id (a padded vocabulary's rows can be drawn too); False columns add nothing
+        vocab = max([self.model_cfg.vocab_size] + [max(ids) + 1 for c in done for ids in (c.kept or []) if ids])
+        kept = torch.ones(n, a, vocab, dtype=torch.bool)
+        for i, c in enumerate(done):
+            if c.kept is not None:
+                kept[i] = False
+                for j, ids in enumerate(c.kept):
+                    kept[i, j, ids] = True
+        routed = torch.stack([c.routes for c in done]) if done and done[0].routes is not None else None
+        return tokens, logps, kept, routed
 
     def rollouts(self, step: int) -> Batch:
         """The global batch of 0-based `step`: prompts x group samples, rewards, group advantages."""
@@ -202,4 +183,6 @@ class Sampler:
 
     def close(self) -> None:
         """Free the engine; PromptSampler also stops its processes."""
+        if self._built is not None:
+            self._built[1].close()
         self._built = None

@@ -15,25 +15,24 @@ checkpoint and at the end; run.steps=0 exports the loaded model and trains nothi
 """
 from __future__ import annotations
 
-import json
 import re
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..config import ConfigError
-from ..runner import checkpoint, checkpoint_files, peers, preempt, resume_check, rundir
-from ..runner.experiment import ExperimentConfig, dump_yaml
+from . import checkpoint, checkpoint_files, peers, preempt, resume_check, rundir
+from .experiment import ExperimentConfig, dump_yaml
 from ..step.policy_step import NONFINITE_CHECKS
-from .metrics import MetricsWriter, finite_record, headline, say
-from .prompt_sampler import PromptSampler
-from .prompt_sources import RolloutFailed, check_sources
-from .sampler import Sampler
+from .metrics import MetricsWriter, headline, say
+from ..rollout.prompt_sampler import PromptSampler
+from ..rollout.prompt_sources import RolloutFailed, check_sources
+from ..rollout.sampler import Sampler
 
 
 class NonFiniteStop(RuntimeError):
@@ -86,10 +85,13 @@ class _Trainer:
     dp_rank: int
     dp: int
     writer: Optional[MetricsWriter] = None  # rank 0 only
+    finish: Optional[Callable] = None  # rank 0's end of a run that trained (run's finish=)
 
 
-def run(cfg: ExperimentConfig) -> None:
-    """Run the experiment in this process (one rank of the job); collective over the world.
+def run(cfg: ExperimentConfig, *, finish: Optional[Callable] = None) -> None:
+    """Run the experiment in this process (one rank of the job); collective over the world. finish:
+    rank 0's end of a run that trained, finish(cfg, run_dir, seconds) (train.py: demo/report.py's summary
+    and figure).
 
     Raises ConfigError (the same on every rank) for a layout or checkpoint that cannot be used,
     and NonFiniteStop (likewise) after run.max_consecutive_skips skipped steps in a row, Preempted
@@ -110,7 +112,7 @@ def run(cfg: ExperimentConfig) -> None:
         prompts = check_sources(cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    from ..runner import distributed
+    from . import distributed
 
     # from here a signal stops the run after a step, with a checkpoint; after SIGHUP the console is run_dir/console.log
     preempt.install(console_log=Path(cfg.run.run_dir) / "console.log")
@@ -128,6 +130,7 @@ def run(cfg: ExperimentConfig) -> None:
         start, last = _resume(trainer)
         if env.rank == 0:
             trainer.writer = _open_log(trainer, start, last, owned.moved_to)
+        trainer.finish = finish
         _train(trainer, start)
     except RuntimeError as e:  # a collective timed out: name the rank that stopped answering
         stopped = (NonFiniteStop, preempt.Preempted, checkpoint.SaveFailed, peers.PeerLost, RolloutFailed)
@@ -145,7 +148,7 @@ def run(cfg: ExperimentConfig) -> None:
 
 def _init_distributed(cfg: ExperimentConfig):
     """Collective: the process groups, after every rank has checked that it resolved the same config."""
-    from ..runner import distributed
+    from . import distributed
 
     p = cfg.parallelism
     try:
@@ -161,7 +164,7 @@ def _set_up(cfg: ExperimentConfig, env, prompts=None) -> _Trainer:
     """Build this rank's model chunks (seeded by run.seed, the same on every layout), optimizer and sampler."""
     from megatron.core import parallel_state as mpu
 
-    from ..runner.model import build_model, build_optimizer
+    from .model import build_model, build_optimizer
     from ..step import StepConfig
 
     p, o = cfg.parallelism, cfg.optimizer
@@ -262,7 +265,11 @@ def _train(t: _Trainer, start: int) -> None:
         if cfg.run.steps == 0:  # nothing trained: no metrics to summarise
             say(f"[{cfg.label}] run.steps=0: wrote {hf_dir(cfg.run.run_dir, end)}", sys.stdout)
         else:
-            _finish(cfg, t.writer.dir, time.perf_counter() - t_start)
+            seconds = time.perf_counter() - t_start
+            if t.finish is not None:
+                t.finish(cfg, t.writer.dir, seconds)
+            else:
+                say(f"[{cfg.label}] done in {seconds:.0f}s; wrote {t.writer.dir}/metrics.jsonl", sys.stdout)
 
 
 def _eval_due(cfg: ExperimentConfig, done: int) -> bool:
@@ -278,7 +285,7 @@ def hf_dir(run_dir, step: int) -> Path:
 
 def _export_hf(t: _Trainer, step: int) -> None:
     """Collective: the model as a Hugging Face directory (runner/export.py); SaveFailed on every rank if not written."""
-    from ..runner.export import export_chunks
+    from .export import export_chunks
 
     export_chunks(t.chunks, t.cfg.model.arch, hf_dir(t.cfg.run.run_dir, step), step=step,
                   bucket_bytes=t.cfg.rollout.sync_bucket_bytes)
@@ -333,15 +340,3 @@ def _stop(t: _Trainer, error: Exception) -> None:
     if isinstance(error, NonFiniteStop):
         dist.barrier()  # the other ranks exit only after rank 0 has said why
     raise error
-
-
-def _finish(cfg: ExperimentConfig, run_dir, seconds: float) -> None:
-    """Rank 0: summary.json and this run's figure."""
-    from .report import plot_runs, summarize
-
-    summary = summarize(run_dir)
-    summary["train_seconds"] = seconds
-    (run_dir / "summary.json").write_text(json.dumps(finite_record(summary), indent=1, allow_nan=False) + "\n")
-    png = plot_runs([run_dir], run_dir / "metrics.png")
-    say(f"[{cfg.label}] done in {seconds:.0f}s: reward {summary['reward_first']:.3f} -> "
-        f"{summary['reward_last']:.3f}; wrote {run_dir}/metrics.jsonl" + (f", {png}" if png else ""), sys.stdout)

@@ -1,0 +1,141 @@
+"""The rollout engine protocol and the engines by name: what every engine does, and what each one can.
+
+    spec = engine_spec(cfg.rollout.engine)              # one line naming the registered engines if unknown
+    eng = spec.open(EngineStart(model=cfg.model, precision="fp32", seed=0, ...))
+    eng.update_weights(stream_buckets(chunks, namer=spec.namer(arch), bucket_bytes=n), manifest=..., bucket_bytes=n)
+    out = eng.generate([[1, 5, 7], [1, 9]], Sampling(n=4, max_new_tokens=8, seeds=[0, 4]))   # out[i][j]: Completion
+    eng.close()
+
+An engine takes the trainer's weights as a stream of named buckets (weight_stream.Bucket; the names
+its spec's `names` says: megatron's full tensors or the HF export mapping) and loads them all or
+nothing: a stream that fails partway leaves it on its previous complete weights. generate() samples
+n completions per prompt (token ids), sample j of prompt i keyed by seeds[i] + j, so the same seeds and
+weights give the same completions on every engine of a kind.
+
+The spec is the engine's rules, read where the config is checked (runner/data.py, runner/experiment.py)
+and nowhere else. Adding an engine is one file with an `open_engine(start) -> Engine` and one
+register_engine(EngineSpec(...)) line: here for the shipped ones, in a run.plugins module for yours.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional, Protocol
+
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How generate() samples: n per prompt, at most max_new_tokens each, stopping after any of
+    stop_token_ids (the stop token kept). temperature applies before top_k / top_p (0 and 1 are off);
+    temperature 0 is greedy. seeds: one per prompt, at least n apart."""
+
+    n: int
+    max_new_tokens: int
+    seeds: list[int]
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def filtered(self) -> bool:
+        """top_k or top_p cuts the distribution: completions carry their kept sets."""
+        return self.top_k > 0 or self.top_p < 1.0
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: list[int]  # the sampled tokens, the stop token included when it ended the sample
+    logprobs: list[float]  # per token: the processed logprob (temperature, top-k/top-p, renormalised)
+    finish_reason: str  # "stop" (a stop token) or "length" (max_new_tokens)
+    kept: Optional[list[list[int]]] = None  # per token the kept set's ids, ascending (top-k/top-p on)
+    routes: Optional[Tensor] = None  # MoE engines: [prompt + completion - 1 fed tokens, moe layers, k] int64
+
+
+class Engine(Protocol):
+    def update_weights(self, buckets: Iterable, *, manifest: dict[str, tuple[int, ...]], bucket_bytes: int) -> dict:
+        """Load every tensor of `manifest` from the stream, all or nothing; {"sync/seconds", "sync/bytes", ...}."""
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
+        """[prompt][sample] completions of `prompts` on the last complete weights."""
+
+    def close(self) -> None:
+        """Free the engine (idempotent); any call after it raises."""
+
+
+@dataclass(frozen=True)
+class EngineStart:
+    """What an engine needs to start: the trainer's model (runner.model.ModelConfig; .arch for an HF
+    family), the sampler's precision ("fp32" | "bf16"), its seed, its longest row, and for an engine in
+    its own process the limits and the log (rollout.vllm's options in `options`)."""
+
+    model: Any
+    precision: str
+    seed: int
+    max_model_len: int
+    kept_sets: bool = False
+    device: Any = "cpu"
+    log_path: Optional[str] = None
+    start_timeout_s: float = 900.0
+    call_timeout_s: float = 3600.0
+    options: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """A registered engine and its rules. opener: "module:function", imported on first open.
+
+    hf_model: it serves model.hf_path's family (else the synthetic GPT, model.hf_path unset).
+    prompt_files: it samples data.prompts scored by data.reward (else the synthetic task, rollout.task).
+    overlaps: it runs beside the trainer (its own process), so rollout.mode=async can use it.
+    routes: it returns MoE routes (Completion.routes), so loss.routing_replay=rollout can use it.
+    names: how its weights are named in the stream: "hf" (the export mapping) or "megatron".
+    options: the rollout.<options> key of its own settings, passed through (None: it takes none).
+    """
+
+    name: str
+    opener: str
+    hf_model: bool
+    prompt_files: bool
+    overlaps: bool
+    routes: bool
+    names: str = "hf"
+    options: Optional[str] = None
+
+    def open(self, start: EngineStart) -> Engine:
+        module, _, fn = self.opener.partition(":")
+        return getattr(importlib.import_module(module), fn)(start)
+
+    def namer(self, arch):
+        """The weight stream's namer for this engine (weight_stream.hf_namer or megatron_namer)."""
+        from .weight_stream import hf_namer, megatron_namer
+
+        return hf_namer(arch) if self.names == "hf" else megatron_namer
+
+
+ENGINES: dict[str, EngineSpec] = {}
+
+
+def register_engine(spec: EngineSpec) -> EngineSpec:
+    if spec.names not in ("hf", "megatron"):
+        raise ValueError(f"engine {spec.name!r}: names must be 'hf' or 'megatron', got {spec.names!r}")
+    ENGINES[spec.name] = spec
+    return spec
+
+
+def engine_spec(name: str) -> EngineSpec:
+    """The registered engine `name`; ValueError in one line naming the registered ones."""
+    if name not in ENGINES:
+        raise ValueError(f"rollout.engine={name!r} is not a registered engine; registered: {sorted(ENGINES)} "
+                         "(a plugin registers one with megatron_cispo.rollout.engine.register_engine)")
+    return ENGINES[name]
+
+
+register_engine(EngineSpec("torch", "megatron_cispo.rollout.torch_engine:open_engine", hf_model=False,
+                           prompt_files=False, overlaps=False, routes=True, names="megatron"))
+register_engine(EngineSpec("hf", "megatron_cispo.rollout.hf_engine:open_engine", hf_model=True,
+                           prompt_files=False, overlaps=False, routes=True))
+register_engine(EngineSpec("vllm", "megatron_cispo.rollout.vllm_engine:open_engine", hf_model=True,
+                           prompt_files=True, overlaps=True, routes=False, options="vllm"))
