@@ -93,6 +93,8 @@ class EngineSpec:
     routes: it returns MoE routes (Completion.routes), so loss.routing_replay=rollout can use it.
     names: how its weights are named in the stream: "hf" (the export mapping) or "megatron".
     options: the rollout.<options> key of its own settings, passed through (None: it takes none).
+    check: "module:function", check(cfg) -> None or one line: what the engine itself refuses at --check
+    (installed? can it serve this model here?), before any rank starts.
     """
 
     name: str
@@ -103,10 +105,18 @@ class EngineSpec:
     routes: bool
     names: str = "hf"
     options: Optional[str] = None
+    check: Optional[str] = None
 
     def open(self, start: EngineStart) -> Engine:
         module, _, fn = self.opener.partition(":")
         return getattr(importlib.import_module(module), fn)(start)
+
+    def problem(self, cfg) -> Optional[str]:
+        """What the engine refuses for experiment `cfg` (its `check`), or None."""
+        if self.check is None:
+            return None
+        module, _, fn = self.check.partition(":")
+        return getattr(importlib.import_module(module), fn)(cfg)
 
     def namer(self, arch):
         """The weight stream's namer for this engine (weight_stream.hf_namer or megatron_namer)."""
@@ -138,4 +148,5 @@ register_engine(EngineSpec("torch", "megatron_cispo.rollout.torch_engine:open_en
 register_engine(EngineSpec("hf", "megatron_cispo.rollout.hf_engine:open_engine", hf_model=True,
                            prompt_files=False, overlaps=False, routes=True))
 register_engine(EngineSpec("vllm", "megatron_cispo.rollout.vllm_engine:open_engine", hf_model=True,
-                           prompt_files=True, overlaps=True, routes=False, options="vllm"))
+                           prompt_files=True, overlaps=True, routes=False, options="vllm",
+                           check="megatron_cispo.rollout.vllm_engine:start_problem"))

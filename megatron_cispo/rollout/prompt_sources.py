@@ -72,10 +72,12 @@ def check_sources(cfg) -> Optional[Sources]:
     """ValueError (one line) for what data.prompts, data.eval_prompts, data.reward and rollout.engine=vllm
     need and lack: vLLM not installed, the prompt files, their rows, a held-out prompt also trained on,
     the reward's import. Before any rank starts. Returns what it read (None without data.prompts)."""
-    if cfg.rollout.engine != "vllm":
+    from .engine import engine_spec
+
+    spec = engine_spec(cfg.rollout.engine)
+    if not spec.prompt_files:
         return None
     from .rewards import load_reward
-    from .vllm_engine import cpu_model_problem, vllm_missing
 
     stream = open_prompts(cfg)
     held = open_prompts(cfg, held_out=True) if cfg.data.eval_prompts else None
@@ -85,7 +87,7 @@ def check_sources(cfg) -> Optional[Sources]:
     cfg.parallelism.check_row_fits(stream.max_len + new - 1,
                                    f"the longest row ({stream.max_len} prompt + {new} new - 1)")
     load_reward(cfg.data.reward)
-    problem = vllm_missing() or cpu_model_problem(cfg.model.arch, cuda=torch.cuda.is_available())
+    problem = spec.problem(cfg)
     if cfg.rollout.sync == "stream":
         from .weight_stream import bucket_problem, stream_problem
 

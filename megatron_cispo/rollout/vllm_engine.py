@@ -74,6 +74,11 @@ def cpu_model_problem(arch, *, cuda: bool) -> str | None:
     return None
 
 
+def start_problem(cfg) -> str | None:
+    """rollout.engine=vllm's own refusals at --check: vLLM not installed, a model its build cannot serve."""
+    return vllm_missing() or cpu_model_problem(cfg.model.arch, cuda=torch.cuda.is_available())
+
+
 def _last_error(log: Path) -> str:
     """The log's last line that names an error, else its last line: what the child died of."""
     try:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 from ..config import check_field_types, config_field
+from ..rollout.engine import engine_spec
 from ..rollout.vllm_options import check_options, engine_length, engine_len
 
 
@@ -37,8 +38,9 @@ class RolloutConfig:
         "versions).")
     temperature: float = config_field(1.0, "Sampler temperature (the trainer scores with the same).")
     precision: Literal["fp32", "bf16"] = config_field("bf16", "Sampler weights/compute dtype.")
-    engine: Literal["torch", "hf", "vllm"] = config_field(
-        "torch", "The sampler: torch = our plain-PyTorch copy of the synthetic GPT (model.hf_path unset); "
+    engine: str = config_field(
+        "torch", "The sampler's engine, by its registered name (rollout/engine.py; a run.plugins module may "
+        "register more): torch = our plain-PyTorch copy of the synthetic GPT (model.hf_path unset); "
         "hf = transformers' own model of model.hf_path's family, on the trainer's weights synced every step "
         "through the export mapping (hf/mapping.py). Task symbols are token ids 0..base+3 of the HF vocabulary. "
         "vllm = vLLM's offline engine in its own process (rank 0 starts it), on the same synced weights, "
@@ -103,13 +105,14 @@ class RolloutConfig:
             raise ValueError(f"rollout.sync_bucket_mb must be finite and > 0, got {self.sync_bucket_mb}")
         if not 0 < self.temperature < math.inf:
             raise ValueError(f"rollout.temperature must be finite and > 0, got {self.temperature}")
-        if self.vllm and self.engine != "vllm":
+        spec = engine_spec(self.engine)  # an unknown name: one line naming the registered engines
+        if self.vllm and spec.options != "vllm":
             raise ValueError(f"rollout.vllm holds options for vLLM's engine; rollout.engine is {self.engine!r}: "
                              "remove rollout.vllm or set rollout.engine: vllm")
-        if self.mode == "async" and self.engine != "vllm":
-            raise ValueError(f"rollout.mode='async' generates beside the trainer, which rollout.engine='vllm' does "
-                             f"(its own process); the {self.engine!r} engine samples inside the trainer's step: "
-                             "use rollout.mode: sync")
+        if self.mode == "async" and not spec.overlaps:
+            raise ValueError(f"rollout.mode='async' generates beside the trainer, which an engine in its own process "
+                             f"(rollout.engine: vllm) does; the {self.engine!r} engine samples inside the trainer's "
+                             "step: use rollout.mode: sync")
         if self.mode == "async" and self.sync != "stream":
             raise ValueError("rollout.mode='async' pushes weights between generations, bucket by bucket: it needs "
                              f"rollout.sync: stream, got {self.sync!r}")
@@ -216,10 +219,12 @@ class DataConfig:
 
 def check_data_rollout(data: DataConfig, rollout, model) -> None:
     """ValueError (one line) for a data/rollout/model combination that cannot run."""
-    if rollout.engine == "vllm" and data.prompts is None:
-        raise ValueError("rollout.engine='vllm' samples prompts from a file: set data.prompts and data.reward "
-                         "(e.g. yaml_configs/vllm_qwen2_tiny.yaml), or use rollout.engine: hf for the synthetic task")
-    if data.prompts is not None and rollout.engine != "vllm":
+    spec = engine_spec(rollout.engine)
+    if spec.prompt_files and data.prompts is None:
+        raise ValueError(f"rollout.engine={rollout.engine!r} samples prompts from a file: set data.prompts and "
+                         "data.reward (e.g. yaml_configs/vllm_qwen2_tiny.yaml), or use rollout.engine: hf for the "
+                         "synthetic task")
+    if data.prompts is not None and not spec.prompt_files:
         raise ValueError(f"data.prompts is sampled by vLLM: set rollout.engine: vllm (got {rollout.engine!r}); "
                          "the torch and hf samplers run the synthetic task only")
     if rollout.filter_groups and data.prompts is None:

@@ -22,6 +22,7 @@ import yaml
 from ..config import ConfigError, LossConfig, apply_overrides, check_field_types, config_field, from_dict, \
     parse_override_value, to_dict
 from ..losses import check_loss_config, get_policy_loss, required_inputs
+from ..rollout.engine import engine_spec
 from .data import DataConfig, RolloutConfig, check_data_rollout
 from .model import ModelConfig, hf_shape
 
@@ -178,11 +179,11 @@ class ExperimentConfig:
         if self.data.prompts is None:
             self._check_task_geometry()
         hf = self.model.hf_path is not None
-        if r.engine in ("hf", "vllm") and not hf:
+        if engine_spec(r.engine).hf_model and not hf:
             raise ValueError(f"rollout.engine={r.engine!r} samples with model.hf_path's family; set "
                              "model.hf_path, or use rollout.engine: torch for the synthetic GPT")
-        if r.engine == "torch" and hf:
-            raise ValueError(f"rollout.engine='torch' samples with the synthetic GPT only; model.hf_path="
+        if not engine_spec(r.engine).hf_model and hf:
+            raise ValueError(f"rollout.engine={r.engine!r} samples with the synthetic GPT only; model.hf_path="
                              f"{self.model.hf_path!r} needs rollout.engine: hf (or vllm with data.prompts)")
         if self.run.steps == 0 and not self.run.export_hf:
             raise ValueError("run.steps=0 trains nothing; it is for run.export_hf=true (export the loaded "
@@ -209,9 +210,9 @@ class ExperimentConfig:
             dense = f"model.hf_path={self.model.hf_path} is dense" if self.model.hf_path else "no model.num_moe_experts"
             raise ValueError(f"loss.routing_replay='rollout' replays the sampler's MoE routes: the model is dense "
                              f"({dense}); set it to 'off'")
-        if self.rollout.engine == "vllm":
-            raise ValueError("loss.routing_replay='rollout' replays the sampler's MoE routes: rollout.engine='vllm' "
-                             "returns none (rollout.engine torch or hf does); set it to 'off'")
+        if not engine_spec(self.rollout.engine).routes:
+            raise ValueError(f"loss.routing_replay='rollout' replays the sampler's MoE routes: rollout.engine="
+                             f"{self.rollout.engine!r} returns none (rollout.engine torch or hf does); set it to 'off'")
 
     def _check_task_geometry(self) -> None:
         """The synthetic task's sequences fit the model and the microbatch token budget."""

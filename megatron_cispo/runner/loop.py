@@ -174,7 +174,7 @@ def _set_up(cfg: ExperimentConfig, env, prompts=None) -> _Trainer:
     optimizer = build_optimizer(chunks, lr=o.lr, optimizer=o.name, weight_decay=o.weight_decay,
                                 clip_grad=o.clip_grad, adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2,
                                 bf16=cfg.model.dtype == "bf16", distributed=o.distributed)
-    if prompts is None:
+    if prompts is None:  # the synthetic task (an engine without prompt files: rollout/engine.py)
         sampler = Sampler(cfg.model, cfg.rollout, seed=cfg.run.seed, device=env.device)
     else:  # data.prompts, as run() read and checked it
         sampler = PromptSampler(cfg, rank=env.rank, device=env.device, sources=prompts)

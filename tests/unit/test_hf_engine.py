@@ -49,7 +49,7 @@ def test_hf_engine_logits_equal_transformers_from_pretrained_fp32(models, family
     want = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         want = want(input_ids=tokens).logits
-    got = HFEngine(_disk_state(path), arch, dtype=torch.float32).logits(tokens)
+    got = HFEngine.from_state(_disk_state(path), arch, dtype=torch.float32).logits(tokens)
     assert got.shape == (3, 11, arch.vocab_size) and got.dtype == torch.float32
     assert (got - want).abs().max().item() <= 1e-6
 
@@ -70,7 +70,7 @@ def megatron_vs_engine_worker(paths):
         tokens = _tokens(cfg.vocab_size, seed=1)
         with torch.no_grad():
             want = chunks[0](tokens, torch.arange(tokens.shape[1])[None], None)[..., :cfg.vocab_size]
-        got = HFEngine(gather_full_state(chunks), cfg.arch, dtype=torch.float32).logits(tokens)
+        got = HFEngine.from_state(gather_full_state(chunks), cfg.arch, dtype=torch.float32).logits(tokens)
         out[family] = (got - want).abs().max().item()
     return out
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from megatron_cispo.rollout import vllm_engine
+from megatron_cispo.rollout.engine import Sampling
 from megatron_cispo.rollout.vllm_engine import EngineError, VLLMEngine, vllm_missing
 
 if vllm_missing() and os.environ.get("CISPO_REQUIRE_VLLM") == "1":
@@ -23,6 +24,10 @@ needs_vllm = pytest.mark.skipif(vllm_missing() is not None, reason="vLLM is not 
 PROMPTS = [[10, 1, 12, 2, 11], [10, 7, 12, 9, 11], [10, 3, 3, 12, 4, 11], [10, 5, 12, 0, 11]]
 SEEDS = [0, 10, 20, 30]
 KW = dict(n=2, max_new_tokens=8, temperature=0.7, stop_token_ids=[13])
+
+
+def gen(engine, prompts, **sampling):
+    return engine.generate(prompts, Sampling(**sampling))
 
 
 def _make(out, **sizes):
@@ -56,7 +61,7 @@ def _push(engine, model_dir, tensors=None):
     from megatron_cispo.rollout.weight_stream import tensor_buckets
     if tensors is None:
         tensors = load_file(f"{model_dir}/model.safetensors")
-    return engine.push(tensor_buckets(tensors, BUCKET), manifest=hf_shapes(read_arch(model_dir)), bucket_bytes=BUCKET)
+    return engine.update_weights(tensor_buckets(tensors, BUCKET), manifest=hf_shapes(read_arch(model_dir)), bucket_bytes=BUCKET)
 
 
 def _variant(src, out, change):
@@ -97,7 +102,7 @@ def _check_against(model_dir, out, top_k, top_p, bound=1e-4):
 @needs_vllm
 @pytest.mark.parametrize("top_k,top_p", [(20, 0.9), (0, 0.8), (0, 1.0)])
 def test_fp32_logprobs_and_kept_sets_equal_transformers(engine, model, top_k, top_p):
-    out = engine.generate(PROMPTS, seeds=SEEDS, top_k=top_k, top_p=top_p, **KW)
+    out = gen(engine, PROMPTS, seeds=SEEDS, top_k=top_k, top_p=top_p, **KW)
     assert [len(s) for s in out] == [2] * 4 and all(len(c.token_ids) == 8 == len(c.logprobs) for s in out for c in s)
     d = _check_against(model, out, top_k, top_p)
     assert d.mean() < 1e-5
@@ -109,11 +114,11 @@ def test_fp32_logprobs_and_kept_sets_equal_transformers(engine, model, top_k, to
 @needs_vllm
 def test_a_stop_token_ends_the_sample_and_is_returned_with_its_logprob(engine):
     kw = {**KW, "top_k": 0, "top_p": 1.0}
-    free = engine.generate(PROMPTS[:1], seeds=[5], **{**kw, "stop_token_ids": []})[0][0]
+    free = gen(engine, PROMPTS[:1], seeds=[5], **{**kw, "stop_token_ids": []})[0][0]
     assert free.finish_reason == "length" and len(free.token_ids) == 8
     stop = free.token_ids[3]
     first = free.token_ids.index(stop)
-    got = engine.generate(PROMPTS[:1], seeds=[5], **{**kw, "stop_token_ids": [stop]})[0][0]
+    got = gen(engine, PROMPTS[:1], seeds=[5], **{**kw, "stop_token_ids": [stop]})[0][0]
     assert got.finish_reason == "stop"
     assert got.token_ids == free.token_ids[:first + 1]  # the stop token included
     assert got.logprobs == pytest.approx(free.logprobs[:first + 1], abs=1e-6)
@@ -121,14 +126,14 @@ def test_a_stop_token_ends_the_sample_and_is_returned_with_its_logprob(engine):
 
 @needs_vllm
 def test_same_seeds_give_the_same_completions_other_seeds_do_not(engine):
-    a = engine.generate(PROMPTS, seeds=SEEDS, top_k=20, top_p=0.9, **KW)
-    b = engine.generate(PROMPTS[::-1], seeds=SEEDS[::-1], top_k=20, top_p=0.9, **KW)[::-1]  # another batch order
-    c = engine.generate(PROMPTS, seeds=[s + 100 for s in SEEDS], top_k=20, top_p=0.9, **KW)
+    a = gen(engine, PROMPTS, seeds=SEEDS, top_k=20, top_p=0.9, **KW)
+    b = gen(engine, PROMPTS[::-1], seeds=SEEDS[::-1], top_k=20, top_p=0.9, **KW)[::-1]  # another batch order
+    c = gen(engine, PROMPTS, seeds=[s + 100 for s in SEEDS], top_k=20, top_p=0.9, **KW)
     assert a == b
     assert [x.token_ids for s in a for x in s] != [x.token_ids for s in c for x in s]
     assert a[0][0].token_ids != a[0][1].token_ids  # the n samples of a prompt differ
     with pytest.raises(ValueError, match="less than n=2 apart"):
-        engine.generate(PROMPTS[:2], seeds=[0, 1], top_k=0, top_p=1.0, **KW)
+        gen(engine, PROMPTS[:2], seeds=[0, 1], top_k=0, top_p=1.0, **KW)
 
 
 @needs_vllm
@@ -137,7 +142,7 @@ def test_load_weights_makes_the_logprobs_the_new_models(engine, model, tmp_path)
     new = _variant(model, tmp_path / "new", lambda k, v: v + 0.05 * torch.randn(v.shape, generator=g))
     try:
         assert engine.load_weights(new) < 30
-        out = engine.generate(PROMPTS, seeds=SEEDS, top_k=20, top_p=0.9, **KW)
+        out = gen(engine, PROMPTS, seeds=SEEDS, top_k=20, top_p=0.9, **KW)
         _check_against(new, out, 20, 0.9)
         with pytest.raises(AssertionError):  # the old weights' logprobs are far from them
             _check_against(model, out, 20, 0.9, bound=1e-2)
@@ -155,7 +160,7 @@ def test_a_bucketed_push_makes_the_logprobs_the_new_models_and_a_failed_one_keep
     try:
         info = _push(engine, new)
         assert info["sync/buckets"] >= 10 and info["sync/bytes"] == sum(t.nbytes for t in weights.values())
-        pushed = engine.generate(PROMPTS, **args)
+        pushed = gen(engine, PROMPTS, **args)
         _check_against(new, pushed, 20, 0.9)  # the tied head follows the pushed embedding
         short = dict(list(weights.items())[:-1])  # one tensor never arrives
         with pytest.raises(EngineError, match="loading the streamed weights failed: ValueError: weight stream "
@@ -171,8 +176,8 @@ def test_a_bucketed_push_makes_the_logprobs_the_new_models_and_a_failed_one_keep
         from megatron_cispo.hf.arch import read_arch
         from megatron_cispo.hf.mapping import hf_shapes
         with pytest.raises(RuntimeError, match="stream broke"):
-            engine.push(dies_midway(), manifest=hf_shapes(read_arch(new)), bucket_bytes=BUCKET)
-        after = engine.generate(PROMPTS, **args)  # neither failed push moved a weight
+            engine.update_weights(dies_midway(), manifest=hf_shapes(read_arch(new)), bucket_bytes=BUCKET)
+        after = gen(engine, PROMPTS, **args)  # neither failed push moved a weight
         assert [[c.logprobs for c in s] for s in after] == [[c.logprobs for c in s] for s in pushed]
     finally:
         _push(engine, model)
@@ -185,7 +190,7 @@ def test_tied_logits_keep_every_tied_token(engine, model, tmp_path):
     flat = _variant(model, tmp_path / "flat", lambda k, v: torch.zeros_like(v) if "embed" in k else v)
     try:
         engine.load_weights(flat)
-        out = engine.generate(PROMPTS[:2], seeds=SEEDS[:2], top_k=5, top_p=1.0, **KW)
+        out = gen(engine, PROMPTS[:2], seeds=SEEDS[:2], top_k=5, top_p=1.0, **KW)
         for c in (c for s in out for c in s):
             assert c.kept == [list(range(300))] * 8
             assert c.logprobs == pytest.approx([-torch.log(torch.tensor(300.0)).item()] * 8, abs=1e-5)
@@ -214,7 +219,7 @@ def test_an_moe_model_samples_but_refuses_a_weight_reload_on_cpu(tmp_path):
     from megatron_cispo.tools.make_tiny_hf import make_tiny_hf
     moe = str(make_tiny_hf("qwen3_moe", tmp_path / "moe", hidden=96))  # head_dim 96/4 + 8 = 32
     with VLLMEngine(moe, precision="fp32", max_model_len=64, seed=0, kept_sets=False) as eng:
-        out = eng.generate(PROMPTS[:1], seeds=[0], top_k=0, top_p=1.0, **KW)
+        out = gen(eng, PROMPTS[:1], seeds=[0], top_k=0, top_p=1.0, **KW)
         assert len(out[0][1].token_ids) == 8
         with pytest.raises(EngineError, match="loading weights from .*: ValueError: vLLM's CPU reload_weights does "
                                               "not restore this qwen3_moe model's MoE layers"):
@@ -262,7 +267,7 @@ def test_a_child_dying_mid_call_is_one_line_quoting_its_error(monkeypatch, tmp_p
     eng = _fake_engine(monkeypatch, tmp_path, "print('RuntimeError: CPU out of memory', file=sys.stderr); os._exit(3)")
     with pytest.raises(EngineError, match=r"died while generating 1 prompts x 1 \(exit 3\): RuntimeError: CPU out "
                                           r"of memory \(log: .*\)$"):
-        eng.generate([[1]], n=1, max_new_tokens=1, temperature=1.0, top_k=0, top_p=1.0, seeds=[0], stop_token_ids=[])
+        gen(eng, [[1]], n=1, max_new_tokens=1, temperature=1.0, top_k=0, top_p=1.0, seeds=[0], stop_token_ids=[])
     assert eng.proc is None
     with pytest.raises(EngineError, match="closed engine"):
         eng.load_weights(str(tmp_path))
