@@ -79,6 +79,7 @@ class PromptSampler(Sampler):
         self._pushed: tuple[dict, Optional[str]] = ({}, None)  # async: the last push's metrics, or its failure
         self._trained_prompts: Optional[dict] = None  # async, rank 0: the stream's state after the last batch taken
         self._dropped_said = False
+        self._lagged_loaded: dict = {}  # the checkpoint's lagged versions, until resumed() takes them
         if rank == 0 and self.cfg.sync == "disk":
             shutil.rmtree(self._tmp, ignore_errors=True)  # a killed run's export
             self._tmp.mkdir(parents=True)
@@ -375,18 +376,39 @@ class PromptSampler(Sampler):
             del self.versions[v]
 
     def resumed(self, step: int, chunks) -> None:
-        """Collective, after a checkpoint's load: its model is version `step`. rollout.sync=stream: the
-        lagged versions are not in the checkpoint, so the lag restarts at 0 and is back at rollout.staleness
-        k steps later. rollout.sync=disk from a checkpoint without versions (a stream run's): gathered."""
+        """Collective, after a checkpoint's load: its model is version `step`. rollout.sync=stream in sync
+        mode: the lagged versions come from the checkpoint, sharded (load_lagged), so the lag continues
+        exactly; from a checkpoint without them (async mode's, staleness 0's) the lag restarts at 0 and is
+        back at rollout.staleness k steps later. rollout.sync=disk from a checkpoint without versions (a
+        stream run's): gathered."""
         if self.cfg.sync == "disk" and not self._versions_in_checkpoint:
             super().push(step, chunks)
         if self.cfg.sync == "stream":
-            self.versions = {}
+            lagged, self._lagged_loaded = self._lagged_loaded, {}
+            keep = self.cfg.mode == "sync" and self.cfg.staleness > 0
+            self.versions = {v: held for v, held in lagged.items() if keep and step - self.cfg.staleness <= v < step}
             self.push(step, chunks)
-            if self.cfg.staleness > 0 and self.rank == 0 and self.cfg.mode == "sync":
-                say(f"[{self.exp.label}] rollout.sync=stream keeps no lagged versions in checkpoints: sampling "
-                    f"restarts with the checkpoint's weights (lag 0), back to rollout.staleness="
-                    f"{self.cfg.staleness} after {self.cfg.staleness} steps")
+            if keep and not self.versions and self.rank == 0:
+                say(f"[{self.exp.label}] the checkpoint holds no lagged versions (it was saved in async mode or at "
+                    f"staleness 0): sampling restarts with the checkpoint's weights (lag 0), back to "
+                    f"rollout.staleness={self.cfg.staleness} after {self.cfg.staleness} steps")
+
+    # -- the lagged versions in checkpoints (runner/checkpoint_lagged.py) ------------------------------
+    def lagged_shards(self) -> dict:
+        """{version: per chunk {parameter name: this rank's shard}} of the versions older than the live
+        one, on the ranks that keep them (rollout.sync=stream, sync mode, staleness > 0); else {}."""
+        if self.cfg.sync != "stream" or self.cfg.mode != "sync":
+            return {}
+        return {v: held for v, held in self.versions.items() if held is not None and v != self.live}
+
+    def holds_lagged(self) -> bool:
+        """Whether this rank keeps lagged shards, so loads them from a checkpoint."""
+        return self.cfg.sync == "stream" and self.cfg.mode == "sync" and self.cfg.staleness > 0 and self._sends()
+
+    def load_lagged(self, versions: dict) -> None:
+        """The checkpoint's lagged versions ({version: shards, or None on a rank that keeps none}), taken
+        up by resumed()."""
+        self._lagged_loaded = dict(versions)
 
     def rollouts(self, step: int) -> Batch:
         """Collective: the global batch of 0-based `step`, sampled on rank 0 and broadcast."""

@@ -84,7 +84,7 @@ class Sampler:
 
     def push(self, version: int, chunks) -> None:
         """Collective: the trainer's model chunks are now policy version `version`; gathered whole
-        (runner/weights.gather_full_state) for this in-process engine's copy."""
+        (base/weights.gather_full_state) for this in-process engine's copy."""
         from ..base.weights import gather_full_state
 
         self.sync(version, gather_full_state(chunks))

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from ..config import ConfigError
 from ..base import files as durable
 from . import checkpoint_files as files_
+from .checkpoint_lagged import lagged_from_state, lagged_state_dict
 from . import checkpoint_save
 from .checkpoint_optim import check_optimizer_count, check_optimizer_kind, is_distributed, load_optimizer_state, \
     optimizer_count, sgd_init_state, zero_step
@@ -148,8 +149,13 @@ def save(run_dir, step: int, *, chunks, optimizer, shared: dict, keep: int, conf
     marker = {"step": step, "format": files_.FORMAT, "layout": _layout(), "optimizers": optimizer_count(optimizer),
               "distributed_optimizer": is_distributed(optimizer), "shared": sorted(shared),
               "megatron_core": files_.megatron_core_version()}
-    return checkpoint_save.write(run_dir, step, _sharded_state_dict(chunks, optimizer, loading=False, with_rng=True),
-                                 extra=extra, marker=marker, keep=keep)
+    sd = _sharded_state_dict(chunks, optimizer, loading=False, with_rng=True)
+    for name, obj in shared.items():  # a sampler's lagged versions, sharded like the model
+        held = obj.lagged_shards() if hasattr(obj, "lagged_shards") else {}
+        if held:
+            marker[f"{name}_lagged"] = sorted(held)
+            sd.update(lagged_state_dict(_model_state_dict(chunks, _metadata()), chunks, name, held))
+    return checkpoint_save.write(run_dir, step, sd, extra=extra, marker=marker, keep=keep)
 
 
 def resume_point(run_dir: str | os.PathLike) -> Path | None:
@@ -278,11 +284,18 @@ def load(path: Path, *, chunks, optimizer, shared: dict) -> int:
     state, error, cause = None, None, None
     try:
         kwargs = {} if common is None else {"common_strategy": common}
+        sd = _sharded_state_dict(chunks, optimizer, loading=True, with_rng=same_layout)
+        lagged = {name: info.get(f"{name}_lagged", []) for name, obj in shared.items() if hasattr(obj, "load_lagged")}
+        for name, versions in lagged.items():
+            if versions and shared[name].holds_lagged():
+                sd.update(lagged_state_dict(_model_state_dict(chunks, _metadata()), chunks, name,
+                                            {v: None for v in versions}))
         with _quiet("megatron.core.dist_checkpointing.strategies.common"):
-            state = dist_checkpointing.load(
-                _sharded_state_dict(chunks, optimizer, loading=True, with_rng=same_layout), str(path), **kwargs)
+            state = dist_checkpointing.load(sd, str(path), **kwargs)
         _load_models(chunks, state)
         load_optimizer_state(optimizer, state["optimizer"])
+        for name, versions in lagged.items():
+            shared[name].load_lagged(lagged_from_state(chunks, name, versions, state))
     except checkpoint_save.FAILURES as e:  # noqa: B014 - CheckpointException is a BaseException
         error, cause = _load_error(path, info, e), e
     _raise_agreed(error, cause)  # the per-rank loads above fail on some ranks only: all must stop

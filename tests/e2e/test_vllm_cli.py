@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e_helpers import ROOT, Job, metrics, ranks
+from e2e_helpers import ROOT, Job, killed_after_step_2, metrics, ranks
 from megatron_cispo.runner import checkpoint
 
 YAML = str(ROOT / "yaml_configs" / "vllm_qwen2_tiny.yaml")
@@ -147,13 +147,20 @@ def test_staleness_0_fp32_ratio_is_1_every_step_through_kills_in_a_weight_push_a
 
 def test_staleness_1_on_pp2_moves_the_ratio_off_1_and_streamed_equals_disk_step_for_step(model, tmp_path):
     pp2 = ["parallelism.pp=2", "rollout.staleness=1"]
-    recs = _run(model, tmp_path / "stream", *pp2, steps=3)
+    recs = _run(model, tmp_path / "stream", *pp2, "run.checkpoint_interval=2", steps=3)
     assert [r["policy_version_lag"] for r in recs] == [0, 1, 1]
     assert _off_one(recs[0]) <= 1e-4
     assert min(_off_one(r) for r in recs[1:]) > 1e-3, [_off_one(r) for r in recs]
     assert all(r["sync/buckets"] >= MIN_BUCKETS for r in recs if r["sync/bytes"]), [r.get("sync/buckets") for r in recs]
-    disk = _run(model, tmp_path / "disk", *pp2, "rollout.sync=disk", steps=3)
     keys = ("cispo/ratio_min", "cispo/ratio_max", "cispo/ratio_mean", "loss", "grad_norm", "reward_mean")
+    # resumed from step 2's checkpoint: its lagged version 1 comes back sharded, so step 3 samples with it again
+    marker = json.loads((tmp_path / "stream" / "checkpoints" / "step_000002" / "COMPLETE").read_text())
+    assert marker["sampler_lagged"] == [1]
+    killed_after_step_2(tmp_path / "stream", tmp_path / "resumed")
+    again = _run(model, tmp_path / "resumed", *pp2, "run.resume=true", steps=3)
+    assert again[2]["policy_version_lag"] == 1
+    assert all(again[2][key] == recs[2][key] for key in keys), [(again[2][k], recs[2][k]) for k in keys]
+    disk = _run(model, tmp_path / "disk", *pp2, "rollout.sync=disk", steps=3)
     for a, b in zip(recs, disk):
         for key in keys:
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
