@@ -1,4 +1,6 @@
-"""The vLLM sampler: data.prompts sampled by vLLM on the trainer's synced weights, scored by data.reward.
+"""The prompt sampler: data.prompts sampled by the engine (vLLM) on the trainer's synced weights, scored by
+data.reward. Its weights side is prompt_weights.py, its async side prompt_async.py, its held-out
+evaluation prompt_eval.py.
 
     sampler = PromptSampler(cfg, rank=env.rank, device=env.device)   # every rank
     sampler.push(version, chunks)                                      # after each step: the new version
@@ -9,7 +11,7 @@ Rank 0 runs vLLM in its own process (rollout/vllm_engine.py) and the reward in a
 samples with policy version max(0, t - rollout.staleness), loaded into the running engine (prefix
 cache reset) whenever the version changes. rollout.sync=stream streams it in named buckets from one
 rank per stage (rollout/weight_stream.py) through vLLM's weight-transfer API; the lagged versions are
-kept sharded, each rank its own shards, in the parameters' dtype. rollout.sync=disk gathers every
+kept sharded, each rank its own shards, in the parameters' dtype, and so are they in checkpoints. rollout.sync=disk gathers every
 version whole on rank 0 and writes it as an fp32 HF directory (hf/export.py) for vLLM to reload.
 Every rank advances the prompt stream alike (rollout.filter_groups' refills: rank 0 alone), and the
 checkpoint holds rank 0's position, so a resumed run continues the stream exactly. A sample whose reward failed is left out of the loss.
@@ -25,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import shutil
 import time
-from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional
@@ -33,14 +34,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..hf.export import write_hf_dir
-from ..hf.mapping import to_hf
-from ..base.param_names import canonical_names
-from .engine import Sampling
-from .vllm_options import engine_len
 from ..base.console import say
+from .engine import Sampling
 from .prompt_sources import RolloutFailed, Sources, _pause_for_tests, _seed, eos_ids, open_prompts, rows_to_batch
+from .prompt_async import PromptAsync
+from .prompt_eval import PromptEval
+from .prompt_weights import PromptWeights
 from .sampler import Batch, Sampler
+from .vllm_options import engine_len
 
 
 def rollout_wait_group(dist_timeout_s: float, reward_budget_s: Optional[float]):
@@ -53,7 +54,7 @@ def rollout_wait_group(dist_timeout_s: float, reward_budget_s: Optional[float]):
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=dist_timeout_s + reward_budget_s))
 
 
-class PromptSampler(Sampler):
+class PromptSampler(PromptWeights, PromptAsync, PromptEval, Sampler):
     def __init__(self, cfg, *, rank: int, device: torch.device | str = "cpu", sources: Optional[Sources] = None):
         """sources: data.prompts and data.eval_prompts as check_sources read them (read here when None)."""
         super().__init__(cfg.model, cfg.rollout, seed=cfg.run.seed, device=device)
@@ -85,30 +86,6 @@ class PromptSampler(Sampler):
             self._tmp.mkdir(parents=True)
 
     # -- rank 0 ---------------------------------------------------------------------------------------
-    def _export(self, version: int) -> tuple[Path, int]:
-        """Policy version `version` as an HF directory for vLLM; (its path, bytes of weights written)."""
-        out = Path(self._tmp) / f"v{version}"
-        write_hf_dir(to_hf(canonical_names(self.versions[version]), self.model_cfg.arch), self.model_cfg.arch,
-                     out, dtype=torch.float32)
-        return out, sum(f.stat().st_size for f in out.glob("*.safetensors"))
-
-    def _engine_at(self, version: int) -> dict:
-        """rollout.sync=disk: start the engine on `version`, or reload it there; the sync metrics."""
-        if self.loaded == version:
-            return {"sync/seconds": 0.0, "sync/bytes": 0.0}
-        t0 = time.perf_counter()
-        path, nbytes = self._export(version)
-        info = {"sync/bytes": float(nbytes)}
-        if self.engine_ is None:
-            info.update(self._start_engine(str(path), stream=False))
-        else:
-            self.engine_.load_weights(str(path))
-        info["sync/seconds"] = time.perf_counter() - t0
-        if self.loaded is not None:
-            shutil.rmtree(Path(self._tmp) / f"v{self.loaded}", ignore_errors=True)
-        self.loaded = version
-        return info
-
     def _scores(self, prompts, completions, budget_s: float, group: Optional[int] = None,
                 held_out: bool = False) -> tuple[list, dict]:
         """data.reward of `completions` (`group` per prompt, default rollout.group_size): (rewards, None where
@@ -154,50 +131,6 @@ class PromptSampler(Sampler):
                                       kept_sets=start.kept_sets, start_timeout_s=start.start_timeout_s,
                                       call_timeout_s=start.call_timeout_s, log_path=start.log_path, engine_kwargs=options)
         return {"rollout/engine_start_s": getattr(self.engine_, "start_seconds", 0.0)}
-
-    def _stream_to_engine(self, version: int) -> tuple[dict, Optional[str]]:
-        """Collective (rollout.sync=stream): version `version` into the engine, bucket by bucket; rank 0
-        returns (sync metrics, None) or ({}, the failure's line), having drained the stream either way so
-        no sender is left waiting. The engine's previous weights stay when the push fails."""
-        from ..hf.mapping import hf_shapes
-        from .weight_stream import hf_namer, stream_buckets
-
-        held = self.versions[version]  # None: the live parameters (or, off DP = CP = 0, nothing to send)
-        if held is None and version != self.live and self._sends():
-            raise RuntimeError(f"sampler: version {version} is neither held nor live ({self.live})")
-        arch, size = self.model_cfg.arch, self.cfg.sync_bucket_bytes
-        stream = lambda buffer=None: stream_buckets(self.chunks, namer=hf_namer(arch), bucket_bytes=size,  # noqa: E731
-                                                    tensors=held, buffer=buffer)
-        if self.rank != 0:
-            for _ in stream():
-                pass
-            self.loaded = version
-            return {}, None
-        info, error, buckets = {}, None, None
-        try:
-            if self.engine_ is None:
-                info.update(self._start_engine(self.model_cfg.hf_path, stream=True))
-            buckets = stream(self.engine_.buffer(hf_shapes(arch), size))  # packed in the engine's shared file
-            info.update(self.engine_.update_weights(self._paused(buckets, version), manifest=hf_shapes(arch),
-                                                     bucket_bytes=size))
-        except Exception as e:  # noqa: BLE001 - reported on every rank through the batch's broadcast
-            error = f"weight sync of policy version {version} failed: {e}"
-        for _ in buckets if buckets is not None else stream():  # after a failure the other senders still send
-            pass
-        self.loaded = None if error else version
-        return info, error
-
-    def _paused(self, buckets, version: int):
-        for i, bucket in enumerate(buckets):
-            yield bucket
-            if i == 0:
-                _pause_for_tests(self.exp.run.run_dir, "push", version)
-
-    @staticmethod
-    def _sends() -> bool:
-        from megatron.core import parallel_state as mpu
-
-        return mpu.get_data_parallel_rank(with_context_parallel=True) == 0
 
     def _sample(self, step: int, prompts, info: Optional[dict] = None) -> Batch:
         start = time.perf_counter()
@@ -247,169 +180,7 @@ class PromptSampler(Sampler):
         return rows_to_batch(rows, [r for gr in groups for r in gr.rewards], group_size=self.cfg.group_size,
                              version=version, info=info)
 
-    # -- rank 0, rollout.mode=async (on the feed's thread: the engine and the reward are its own) --------
-    def _feed_generate(self, index: int, version: int) -> tuple:
-        prompts = self.stream.take(self.cfg.prompts_per_step)
-        return version, time.perf_counter(), self._generate(index, prompts)
-
-    def _feed_finish(self, raw: tuple) -> tuple[Batch, dict]:
-        """(the batch, the stream's state after its prompts, refills included: this thread alone takes them)."""
-        version, start, generated = raw
-        return self._scored(generated, version, {}, start, engine=self.feed.engine), self.stream.state_dict()
-
-    def _start_feed(self, step: int, version: int) -> None:
-        from .async_feed import AsyncFeed
-
-        self._trained_prompts = self.stream.state_dict()
-        self.feed = AsyncFeed(self._feed_generate, self._feed_finish, staleness=self.cfg.staleness,
-                              policy=self.cfg.stale_policy, first=step, last=self.exp.run.steps, version=version,
-                              start=False)
-        self.feed.start()  # after the assignment: _feed_finish's refills take self.feed.engine
-
-    def _push_async(self, version: int) -> None:
-        """Collective: version `version` streamed into the engine now, between two generations; rank 0
-        keeps the metrics or the failure for the next rollouts() to report on every rank."""
-        if self.rank != 0:
-            self._stream_to_engine(version)
-            return
-        if self.feed is None:  # the first push (a start or a resume) starts the engine, then the feed
-            info, error = self._stream_to_engine(version)
-            if error is None:
-                self._start_feed(version, version)
-        else:
-            def load():
-                done, failed = self._stream_to_engine(version)
-                if failed:
-                    raise RuntimeError(failed)
-                return done
-            try:
-                info, waited = self.feed.weights(version, load)
-                info, error = {**info, "sync/wait_s": waited}, None
-            except RuntimeError as e:
-                info, error = {}, str(e)
-        self._pushed = (info, self._pushed[1] or error)
-
-    def _take_async(self, step: int) -> Batch:
-        """Rank 0: the feed's batch for 0-based `step`, with the last push's and the feed's metrics."""
-        info, error = self._pushed
-        self._pushed = ({}, error)
-        if error:
-            raise RuntimeError(error)
-        wait_s = self.limit_s + (self.reward_budget_s or 0)  # generation, then scoring within its own budget
-        (batch, after), version, dropped, figures = self.feed.take(step, timeout_s=wait_s)
-        self._trained_prompts = after  # past the dropped batches too: they came before it
-        if dropped and not self._dropped_said:  # once: rollout/dropped_batches counts them every step
-            self._dropped_said = True
-            say(f"[{self.exp.label}] step {step + 1}: dropped {len(dropped)} rollout batch(es) that lagged more than "
-                f"rollout.staleness={self.cfg.staleness} (rollout.stale_policy=drop); rollout/dropped_batches counts "
-                f"them from here on")
-        return replace(batch, info={**batch.info, **info, **figures})
-
-    def _eval_on_engine(self, version: int) -> dict:
-        """Rank 0, the engine on `version`: data.eval_prompts sampled (greedy, or rollout.eval_samples at the
-        rollout's temperature) and scored by data.reward; the eval/ metrics."""
-        r, k = self.cfg, self.cfg.eval_samples
-        prompts = self.held_out.every()
-        greedy = k == 1
-        t0 = time.perf_counter()
-        # seeds past any training prompt's (those are _seed(seed, stream index, group_size))
-        base = _seed(self.seed, 0, 1) + 2**40
-        out = self.engine_.generate([p.token_ids for p in prompts], Sampling(
-            n=k, max_new_tokens=r.max_new_tokens, temperature=0.0 if greedy else r.temperature,
-            top_k=0 if greedy else r.top_k, top_p=1.0 if greedy else r.top_p,
-            seeds=[base + i * k for i in range(len(prompts))], stop_token_ids=self.eos))
-        completions = [c for per_prompt in out for c in per_prompt]
-        rewards, scored = self._scores(prompts, completions, self.reward_budget_s or self.limit_s / 2, group=k,
-                                       held_out=True)
-        exact = [x == 1 for x in rewards]
-        info = {"eval/version": float(version), "eval/seconds": time.perf_counter() - t0,
-                "eval/reward_mean": sum(x for x in rewards if x is not None) / max(1, sum(x is not None for x in rewards)),
-                "eval/accuracy": sum(exact) / len(exact), "eval/prompts": float(len(prompts)),
-                "eval/scored_frac": sum(x is not None for x in rewards) / len(rewards)}
-        if k > 1:
-            info[f"eval/pass@{k}"] = sum(any(exact[i * k:(i + 1) * k]) for i in range(len(prompts))) / len(prompts)
-        return info
-
     # -- every rank -----------------------------------------------------------------------------------
-    def evaluate(self, version: int) -> dict:
-        """Collective: the eval/ metrics of policy version `version` (the live parameters) on data.eval_prompts,
-        computed by rank 0 on the engine and given to every rank; RolloutFailed alike on every rank."""
-        box: list = [None]
-        try:
-            if self.cfg.mode == "async":  # the engine holds the live version since the last push
-                if self.rank == 0:
-                    box[0] = self.feed.exclusive(lambda: self._eval_on_engine(version))
-            elif self.cfg.sync == "stream":
-                synced, error = self._stream_to_engine(version) if self.loaded != version else ({}, None)  # collective
-                if self.rank == 0:
-                    if error:
-                        raise RuntimeError(error)
-                    box[0] = {**self._eval_on_engine(version),
-                              **{f"eval/{k.replace('/', '_')}": v for k, v in synced.items()}}  # its own push
-            elif self.rank == 0:
-                self._engine_at(version)
-                box[0] = self._eval_on_engine(version)
-        except Exception as e:  # noqa: BLE001 - the engine or the reward failed: every rank stops
-            box[0] = f"[{self.exp.label}] evaluation of policy version {version} failed: {e}"
-        return self._share(box)
-
-    def sync(self, version: int, full_state) -> None:
-        """rollout.sync=disk: rank 0 keeps the versions (it alone exports them, and the checkpoint holds
-        its state); the other ranks took part in the gather and keep nothing."""
-        if self.rank == 0:
-            super().sync(version, full_state)
-
-    def push(self, version: int, chunks) -> None:
-        """Collective with rollout.sync=disk (the gather). rollout.sync=stream: the live parameters are now
-        `version`; with rollout.staleness k > 0 every rank that sends (DP = CP = 0) keeps a copy of its
-        own shards, in their dtype, for the k steps that will sample with it. Nothing is gathered."""
-        if self.cfg.sync == "disk":
-            return super().push(version, chunks)
-        self.chunks, self.live = chunks, version
-        if self.cfg.mode == "async":  # no versions kept: the old weights are whatever the engine still holds
-            self.versions = {version: None}
-            return self._push_async(version)
-        keep = self.cfg.staleness > 0 and self._sends()
-        self.versions[version] = [{n: p.detach().clone() for n, p in getattr(c, "module", c).named_parameters()}
-                                  for c in chunks] if keep else None
-        for v in [v for v in self.versions if v < version - self.cfg.staleness]:
-            del self.versions[v]
-
-    def resumed(self, step: int, chunks) -> None:
-        """Collective, after a checkpoint's load: its model is version `step`. rollout.sync=stream in sync
-        mode: the lagged versions come from the checkpoint, sharded (load_lagged), so the lag continues
-        exactly; from a checkpoint without them (async mode's, staleness 0's) the lag restarts at 0 and is
-        back at rollout.staleness k steps later. rollout.sync=disk from a checkpoint without versions (a
-        stream run's): gathered."""
-        if self.cfg.sync == "disk" and not self._versions_in_checkpoint:
-            super().push(step, chunks)
-        if self.cfg.sync == "stream":
-            lagged, self._lagged_loaded = self._lagged_loaded, {}
-            keep = self.cfg.mode == "sync" and self.cfg.staleness > 0
-            self.versions = {v: held for v, held in lagged.items() if keep and step - self.cfg.staleness <= v < step}
-            self.push(step, chunks)
-            if keep and not self.versions and self.rank == 0:
-                say(f"[{self.exp.label}] the checkpoint holds no lagged versions (it was saved in async mode or at "
-                    f"staleness 0): sampling restarts with the checkpoint's weights (lag 0), back to "
-                    f"rollout.staleness={self.cfg.staleness} after {self.cfg.staleness} steps")
-
-    # -- the lagged versions in checkpoints (runner/checkpoint_lagged.py) ------------------------------
-    def lagged_shards(self) -> dict:
-        """{version: per chunk {parameter name: this rank's shard}} of the versions older than the live
-        one, on the ranks that keep them (rollout.sync=stream, sync mode, staleness > 0); else {}."""
-        if self.cfg.sync != "stream" or self.cfg.mode != "sync":
-            return {}
-        return {v: held for v, held in self.versions.items() if held is not None and v != self.live}
-
-    def holds_lagged(self) -> bool:
-        """Whether this rank keeps lagged shards, so loads them from a checkpoint."""
-        return self.cfg.sync == "stream" and self.cfg.mode == "sync" and self.cfg.staleness > 0 and self._sends()
-
-    def load_lagged(self, versions: dict) -> None:
-        """The checkpoint's lagged versions ({version: shards, or None on a rank that keeps none}), taken
-        up by resumed()."""
-        self._lagged_loaded = dict(versions)
-
     def rollouts(self, step: int) -> Batch:
         """Collective: the global batch of 0-based `step`, sampled on rank 0 and broadcast."""
         box: list = [None]
