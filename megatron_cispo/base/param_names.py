@@ -82,6 +82,17 @@ def _is_expert(name: str) -> bool:
     return "experts" in name.split(".")
 
 
+def sends_param(name: str) -> bool:
+    """Whether this rank's copy of parameter `name` is the one a sender streams or saves: data-parallel rank
+    0 (with context parallel) for dense parameters, expert-data-parallel rank 0 for experts (EP shards
+    them, so each EP rank's experts have their own DP = 0 copy)."""
+    from megatron.core import parallel_state as mpu
+
+    if _is_expert(name):
+        return mpu.get_expert_data_parallel_rank() == 0
+    return mpu.get_data_parallel_rank(with_context_parallel=True) == 0
+
+
 def shard_group(name: str):
     """(group, size, rank) that shards this parameter: expert TP for experts, TP otherwise."""
     from megatron.core import parallel_state as mpu

@@ -89,9 +89,9 @@ def check_sources(cfg) -> Optional[Sources]:
     load_reward(cfg.data.reward)
     problem = spec.problem(cfg)
     if cfg.rollout.sync == "stream":
-        from .weight_stream import bucket_problem, stream_problem
+        from .weight_stream import bucket_problem
 
-        problem = problem or stream_problem(cfg.model.arch) or bucket_problem(
+        problem = problem or bucket_problem(
             cfg.model.arch, cfg.rollout.sync_bucket_mb, tp=cfg.parallelism.tp)
     if problem:
         raise ValueError(problem)

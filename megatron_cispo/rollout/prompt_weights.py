@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from ..base.console import say
-from ..base.param_names import canonical_names
+from ..base.param_names import canonical_names, sends_param
 from ..hf.export import write_hf_dir
 from ..hf.mapping import to_hf
 from .prompt_sources import _pause_for_tests
@@ -88,11 +88,14 @@ class PromptWeights:
             if i == 0:
                 _pause_for_tests(self.exp.run.run_dir, "push", version)
 
-    @staticmethod
-    def _sends() -> bool:
-        from megatron.core import parallel_state as mpu
+    def _sends(self) -> bool:
+        """Whether this rank holds the sent copy of some parameter (sends_param: DP = CP = 0, expert DP = 0)."""
+        return any(self._owned(self.chunks))
 
-        return mpu.get_data_parallel_rank(with_context_parallel=True) == 0
+    @staticmethod
+    def _owned(chunks) -> list[dict]:
+        """Per chunk {parameter name: parameter} of the parameters whose copy on this rank is sent."""
+        return [{n: p for n, p in getattr(c, "module", c).named_parameters() if sends_param(n)} for c in chunks]
 
     def sync(self, version: int, full_state) -> None:
         """rollout.sync=disk: rank 0 keeps the versions (it alone exports them, and the checkpoint holds
@@ -102,17 +105,17 @@ class PromptWeights:
 
     def push(self, version: int, chunks) -> None:
         """Collective with rollout.sync=disk (the gather). rollout.sync=stream: the live parameters are now
-        `version`; with rollout.staleness k > 0 every rank that sends (DP = CP = 0) keeps a copy of its
-        own shards, in their dtype, for the k steps that will sample with it. Nothing is gathered."""
+        `version`; with rollout.staleness k > 0 every rank keeps a copy of the shards it sends (DP = CP = 0;
+        experts: expert DP = 0), in their dtype, for the k steps that will sample with it. Nothing is gathered."""
         if self.cfg.sync == "disk":
             return super().push(version, chunks)
         self.chunks, self.live = chunks, version
         if self.cfg.mode == "async":  # no versions kept: the old weights are whatever the engine still holds
             self.versions = {version: None}
             return self._push_async(version)
-        keep = self.cfg.staleness > 0 and self._sends()
-        self.versions[version] = [{n: p.detach().clone() for n, p in getattr(c, "module", c).named_parameters()}
-                                  for c in chunks] if keep else None
+        owned = self._owned(chunks) if self.cfg.staleness > 0 else []
+        self.versions[version] = [{n: p.detach().clone() for n, p in per.items()} for per in owned] \
+            if any(owned) else None
         for v in [v for v in self.versions if v < version - self.cfg.staleness]:
             del self.versions[v]
 
@@ -142,8 +145,8 @@ class PromptWeights:
         return {v: held for v, held in self.versions.items() if held is not None and v != self.live}
 
     def holds_lagged(self) -> bool:
-        """Whether this rank keeps lagged shards, so loads them from a checkpoint."""
-        return self.cfg.sync == "stream" and self.cfg.mode == "sync" and self.cfg.staleness > 0 and self._sends()
+        """Whether this run keeps lagged shards, so loads a checkpoint's (each rank those it sends: sends_param)."""
+        return self.cfg.sync == "stream" and self.cfg.mode == "sync" and self.cfg.staleness > 0
 
     def load_lagged(self, versions: dict) -> None:
         """The checkpoint's lagged versions ({version: shards, or None on a rank that keeps none}), taken

@@ -3,14 +3,14 @@
     for bucket in stream_buckets(chunks, namer=hf_namer(arch), bucket_bytes=256 << 20):  # collective
         staging.add(bucket.blocks, bucket.data)          # only rank `dst` receives buckets
 
-Per PP stage one rank sends: the one with DP = CP = 0 and TP rank 0. Its TP peers send it their
+Per PP stage one rank sends the dense weights: the one with DP = CP = 0 and TP rank 0; per EP rank one
+rank sends its experts: the one with expert DP = 0 and expert TP rank 0. Their TP peers send them their
 shards a row block at a time (point to point over TP), so no rank holds more than one gathered block
 and one bucket beyond the model: about 2 x bucket_bytes (the receiving rank can pack straight into the
 engine's buffer). Tensors keep the parameters' dtype. The other stages' senders forward their buckets
 to `dst` point to point, stage by stage. `namer` names each block by the HF export mapping
 (hf/mapping.pieces) or by megatron's full tensors (megatron_namer); a receiver writes block b into
 the full tensor b.name at rows b.row.., columns b.col.. (rollout/weight_receiver.py).
-MoE models are refused: expert senders (one per EP group) are not in the schedule yet.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import Tensor
 
-from ..base.param_names import canonical_names, global_param_name, shard_group, tp_split_dim
+from ..base.param_names import canonical_names, global_param_name, sends_param, shard_group, tp_split_dim
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 
@@ -159,19 +159,18 @@ def tensor_buckets(tensors: dict[str, Tensor], bucket_bytes: int) -> Iterator[Bu
 
 
 def _tensors(chunks, tensors):
-    """(module, local name, param, the tensor to send) for every parameter of every chunk."""
+    """(module, local name, param, the tensor to send) for every parameter this rank's copy of is sent
+    (sends_param); `tensors` need hold only those."""
     for i, chunk in enumerate(chunks):
         mod = getattr(chunk, "module", chunk)
         for name, p in mod.named_parameters():
-            yield mod, name, p, (p.detach() if tensors is None else tensors[i][name])
+            if sends_param(name):
+                yield mod, name, p, (p.detach() if tensors is None else tensors[i][name])
 
 
 def _own_buckets(chunks, namer: Namer, bucket_bytes: int, tensors, buffer=None) -> Iterator[Bucket]:
-    """This rank's part of the stream: TP gathers (as sender or peer); buckets only on senders."""
-    from megatron.core import parallel_state as mpu
-
-    if mpu.get_data_parallel_rank(with_context_parallel=True) != 0:
-        return
+    """This rank's part of the stream: TP gathers (as sender or peer); buckets only on senders. A parameter
+    goes from its DP = 0 copy (expert DP for experts: sends_param), so TP peers skip alike."""
     packer, scratch = None, {}
     for mod, name, p, t in _tensors(chunks, tensors):
         group, size, rank = shard_group(name)
@@ -262,7 +261,7 @@ def stream_buckets(chunks, *, namer: Namer, bucket_bytes: int, tensors=None, dst
     sends = _is_sender(chunks)
     senders = [None] * dist.get_world_size()
     dist.all_gather_object(senders, sends)
-    device = next(iter(_tensors(chunks, tensors)))[3].device
+    device = next(getattr(chunks[0], "module", chunks[0]).parameters()).device
     obj_dev = None if device.type == "cpu" else device
     if me == dst:
         yield from _own_buckets(chunks, namer, bucket_bytes, tensors, buffer)
@@ -289,12 +288,9 @@ def stream_buckets(chunks, *, namer: Namer, bucket_bytes: int, tensors=None, dst
 
 
 def _is_sender(chunks) -> bool:
-    """Whether this rank sends buckets: DP = CP = 0 and TP rank 0 of some parameter's shard group."""
-    from megatron.core import parallel_state as mpu
-
-    if mpu.get_data_parallel_rank(with_context_parallel=True) != 0:
-        return False
-    return any(shard_group(name)[2] == 0 for chunk in chunks
+    """Whether this rank sends buckets: it holds the sent copy (sends_param) of some parameter at TP rank 0
+    of that parameter's shard group."""
+    return any(sends_param(name) and shard_group(name)[2] == 0 for chunk in chunks
                for name, _ in getattr(chunk, "module", chunk).named_parameters())
 
 
@@ -308,13 +304,4 @@ def bucket_problem(arch, bucket_mb: float, *, tp: int) -> Optional[str]:
         if row > bucket_mb * 2**20:
             return (f"rollout.sync_bucket_mb={bucket_mb:g} ({int(bucket_mb * 2**20)} bytes) is smaller than one row "
                     f"of {name} gathered over tp={tp} ({row} bytes in fp32); raise it")
-    return None
-
-
-def stream_problem(arch) -> Optional[str]:
-    """One line when the bucket stream cannot serve model `arch` (hf.arch.HFArch), else None."""
-    if arch is not None and arch.num_experts:
-        return (f"rollout.sync=stream does not cover MoE models yet (model.hf_path={arch.path} has "
-                f"{arch.num_experts} experts: expert senders, one per EP group, are not in its schedule); "
-                "use rollout.sync: disk")
     return None

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from ..base.param_names import sends_param
+
 
 def _param_slots(chunks) -> dict:
     """{(data_ptr, shape): (chunk index, local parameter name)} of every parameter, named as a sampler keeps
@@ -41,6 +43,8 @@ def lagged_state_dict(model_sd: dict, chunks, name: str, held: dict) -> dict:
 
     for slot, node in walk(model_sd):
         for v, tensors in held.items():
+            if tensors is None and not sends_param(slot[1]) or tensors is not None and slot[1] not in tensors[slot[0]]:
+                continue  # another rank's copy is the one kept (sends_param: DP = 0, expert DP = 0 for experts)
             data = torch.empty_like(node.data) if tensors is None else tensors[slot[0]][slot[1]]
             out[f"{name}_lagged/v{v}/{slot[0]}:{slot[1]}"] = replace(node, key=f"{name}_lagged.v{v}.{node.key}", data=data)
     return out

@@ -2,9 +2,9 @@
 
     export_chunks(chunks, arch, "runs/x/hf/step_10")   # every rank; returns once rank 0 is done
 
-Dense models are streamed (rollout/weight_stream.py) into hf/export.py's write_hf_stream; MoE models
-are gathered whole (base/weights.py) into write_hf_dir. hf/ writes the files, this module moves the
-weights: it sits above both, so hf imports nothing from the runner or the rollout code.
+The weights are streamed (rollout/weight_stream.py: the dense ones from one sender per stage, each EP
+rank's experts from its own) into hf/export.py's write_hf_stream. hf/ writes the files, this module moves
+the weights: it sits above both, so hf imports nothing from the runner or the rollout code.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from ..base import files as durable
 from ..hf.arch import HFArch
-from ..hf.export import write_hf_dir, write_hf_stream
+from ..hf.export import write_hf_stream
 
 
 def export_chunks(chunks, arch: HFArch, out_dir, *, dtype: torch.dtype | None = None,
@@ -23,20 +23,15 @@ def export_chunks(chunks, arch: HFArch, out_dir, *, dtype: torch.dtype | None = 
     every rank returns after rank 0 is done. A failure on rank 0 raises checkpoint_save.SaveFailed with
     one line on every rank.
 
-    Dense models are streamed (rollout/weight_stream.py: one sender per stage, buckets of
-    `bucket_bytes`), and rank 0 writes each safetensors shard as it fills (write_hf_stream): no rank
-    holds more than a shard and two buckets beyond the model. MoE models (the stream's schedule has
-    no expert senders yet) gather everything on every rank in fp32 (base/weights.py's gather_full_state):
-    fine for tests and small models, a limit for large ones (docs/launch.md, "Exporting")."""
+    The weights are streamed (rollout/weight_stream.py: one sender per stage for the dense weights, one
+    per EP rank for its experts, buckets of `bucket_bytes`), and rank 0 writes each safetensors shard as it
+    fills (write_hf_stream): no rank holds more than a shard and two buckets beyond the model."""
     import torch.distributed as dist
 
     from .checkpoint_save import SaveFailed, first_failure
 
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    if arch.num_experts:
-        error = _export_gathered(chunks, arch, out_dir, dtype, step, rank0)
-    else:
-        error = _export_streamed(chunks, arch, out_dir, dtype, step, rank0, bucket_bytes)
+    error = _export_streamed(chunks, arch, out_dir, dtype, step, rank0, bucket_bytes)
     failed = first_failure(error)
     if failed is not None:
         raise SaveFailed(failed[1])
@@ -45,21 +40,6 @@ def export_chunks(chunks, arch: HFArch, out_dir, *, dtype: torch.dtype | None = 
 
 def _failed(out_dir, e: BaseException) -> str:
     return f"Hugging Face export to {out_dir} not written: {durable.describe_error(e)}"
-
-
-def _export_gathered(chunks, arch, out_dir, dtype, step, rank0: bool) -> str | None:
-    """Collective: gather, rank 0 writes; rank 0's write failure as one line (a failed gather raises)."""
-    from ..hf.mapping import to_hf
-    from ..base.weights import gather_full_state
-
-    full = gather_full_state(chunks)
-    if not rank0:
-        return None
-    try:
-        write_hf_dir(to_hf(full, arch), arch, out_dir, dtype=dtype, step=step)
-    except durable.FAILURES as e:  # noqa: B014 - any failure: every rank must hear of it
-        return _failed(out_dir, e)
-    return None
 
 
 def _export_streamed(chunks, arch, out_dir, dtype, step, rank0: bool, bucket_bytes: int) -> str | None:
