@@ -92,6 +92,7 @@ class EngineSpec:
     overlaps: it runs beside the trainer (its own process), so rollout.mode=async can use it.
     routes: it returns MoE routes (Completion.routes), so loss.routing_replay=rollout can use it.
     names: how its weights are named in the stream: "hf" (the export mapping) or "megatron".
+    disk: it can also reload an exported HF directory (rollout.sync: disk, the fallback).
     options: the rollout.<options> key of its own settings, passed through (None: it takes none).
     check: "module:function", check(cfg) -> None or one line: what the engine itself refuses at --check
     (installed? can it serve this model here?), before any rank starts.
@@ -104,6 +105,7 @@ class EngineSpec:
     overlaps: bool
     routes: bool
     names: str = "hf"
+    disk: bool = False
     options: Optional[str] = None
     check: Optional[str] = None
 
@@ -148,5 +150,5 @@ register_engine(EngineSpec("torch", "megatron_cispo.rollout.torch_engine:open_en
 register_engine(EngineSpec("hf", "megatron_cispo.rollout.hf_engine:open_engine", hf_model=True,
                            prompt_files=False, overlaps=False, routes=True))
 register_engine(EngineSpec("vllm", "megatron_cispo.rollout.vllm_engine:open_engine", hf_model=True,
-                           prompt_files=True, overlaps=True, routes=False, options="vllm",
+                           prompt_files=True, overlaps=True, routes=False, disk=True, options="vllm",
                            check="megatron_cispo.rollout.vllm_engine:start_problem"))

@@ -36,10 +36,10 @@ import torch.distributed as dist
 
 from ..base.console import say
 from .engine import Sampling
-from .prompt_sources import RolloutFailed, Sources, _pause_for_tests, _seed, eos_ids, open_prompts, rows_to_batch
+from .prompt_sources import Sources, _pause_for_tests, _seed, eos_ids, open_prompts, rows_to_batch
 from .prompt_async import PromptAsync
 from .prompt_eval import PromptEval
-from .prompt_weights import PromptWeights
+from .prompt_weights import EngineWeights
 from .sampler import Batch, Sampler
 from .vllm_options import engine_len
 
@@ -54,7 +54,7 @@ def rollout_wait_group(dist_timeout_s: float, reward_budget_s: Optional[float]):
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=dist_timeout_s + reward_budget_s))
 
 
-class PromptSampler(PromptWeights, PromptAsync, PromptEval, Sampler):
+class PromptSampler(EngineWeights, PromptAsync, PromptEval, Sampler):
     def __init__(self, cfg, *, rank: int, device: torch.device | str = "cpu", sources: Optional[Sources] = None):
         """sources: data.prompts and data.eval_prompts as check_sources read them (read here when None)."""
         super().__init__(cfg.model, cfg.rollout, seed=cfg.run.seed, device=device)
@@ -205,18 +205,6 @@ class PromptSampler(PromptWeights, PromptAsync, PromptEval, Sampler):
             except Exception as e:  # the engine or the export failed: every rank must stop, not wait
                 box[0] = f"[{self.exp.label}] rollout at step {step + 1} failed: {e}"
         return self._share(box)
-
-    def _share(self, box: list) -> Batch:
-        """Collective: rank 0's batch (or its failure's line, then RolloutFailed on every rank) to every rank."""
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            on_host = self.wait_group is not None or str(self.device) == "cpu"
-            dist.broadcast_object_list(box, src=0, group=self.wait_group,
-                                       device=None if on_host else torch.device(self.device))
-        if isinstance(box[0], str):
-            if self.rank == 0:
-                say(box[0])
-            raise RolloutFailed(box[0])
-        return box[0]
 
     def state_dict(self) -> dict:
         """The prompt position (async: after the last batch trained); with rollout.sync=disk also rank 0's

@@ -15,16 +15,19 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from ..base.console import say
 from ..base.param_names import canonical_names, sends_param
 from ..hf.export import write_hf_dir
 from ..hf.mapping import to_hf
-from .prompt_sources import _pause_for_tests
+from .prompt_sources import RolloutFailed, _pause_for_tests
+from .sampler import Batch
 
 
-class PromptWeights:
-    """The weights side of PromptSampler; its attributes are set by PromptSampler.__init__."""
+class EngineWeights:
+    """The weights side of the samplers with an engine on rank 0 (PromptSampler, TaskSampler): each version
+    into the engine, the lagged versions, the batch shared with every rank. Attributes: set by their __init__."""
 
     def _export(self, version: int) -> tuple[Path, int]:
         """Policy version `version` as an HF directory for vLLM; (its path, bytes of weights written)."""
@@ -51,17 +54,18 @@ class PromptWeights:
         return info
 
     def _stream_to_engine(self, version: int) -> tuple[dict, Optional[str]]:
-        """Collective (rollout.sync=stream): version `version` into the engine, bucket by bucket; rank 0
-        returns (sync metrics, None) or ({}, the failure's line), having drained the stream either way so
-        no sender is left waiting. The engine's previous weights stay when the push fails."""
-        from ..hf.mapping import hf_shapes
-        from .weight_stream import hf_namer, stream_buckets
+        """Collective (rollout.sync=stream): version `version` into rank 0's engine (rollout.engine, started
+        on first use), bucket by bucket, named as the engine names its weights; rank 0 returns (sync
+        metrics, None) or ({}, the failure's line), having drained the stream either way so no sender is
+        left waiting. The engine's previous weights stay when the push fails."""
+        from .engine import engine_spec
+        from .weight_stream import stream_buckets
 
-        held = self.versions[version]  # None: the live parameters (or, off DP = CP = 0, nothing to send)
+        held = self.versions[version]  # None: the live parameters (or, on a rank that sends nothing, nothing)
         if held is None and version != self.live and self._sends():
             raise RuntimeError(f"sampler: version {version} is neither held nor live ({self.live})")
-        arch, size = self.model_cfg.arch, self.cfg.sync_bucket_bytes
-        stream = lambda buffer=None: stream_buckets(self.chunks, namer=hf_namer(arch), bucket_bytes=size,  # noqa: E731
+        namer, size = engine_spec(self.cfg.engine).namer(self.model_cfg.arch), self.cfg.sync_bucket_bytes
+        stream = lambda buffer=None: stream_buckets(self.chunks, namer=namer, bucket_bytes=size,  # noqa: E731
                                                     tensors=held, buffer=buffer)
         if self.rank != 0:
             for _ in stream():
@@ -72,8 +76,9 @@ class PromptWeights:
         try:
             if self.engine_ is None:
                 info.update(self._start_engine(self.model_cfg.hf_path, stream=True))
-            buckets = stream(self.engine_.buffer(hf_shapes(arch), size))  # packed in the engine's shared file
-            info.update(self.engine_.update_weights(self._paused(buckets, version), manifest=hf_shapes(arch),
+            packed = getattr(self.engine_, "buffer", None)  # an engine in its own process maps a shared file
+            buckets = stream(packed(self.manifest, size) if packed else None)
+            info.update(self.engine_.update_weights(self._paused(buckets, version), manifest=self.manifest,
                                                      bucket_bytes=size))
         except Exception as e:  # noqa: BLE001 - reported on every rank through the batch's broadcast
             error = f"weight sync of policy version {version} failed: {e}"
@@ -81,6 +86,17 @@ class PromptWeights:
             pass
         self.loaded = None if error else version
         return info, error
+
+    @property
+    def manifest(self) -> dict:
+        """Every tensor a complete push holds, as the engine names them: the HF export mapping's shapes, or
+        (megatron names) the stream's own, gathered once at the first push."""
+        from ..hf.mapping import hf_shapes
+        from .engine import engine_spec
+
+        if engine_spec(self.cfg.engine).names == "hf":
+            return hf_shapes(self.model_cfg.arch)
+        return self._megatron_manifest
 
     def _paused(self, buckets, version: int):
         for i, bucket in enumerate(buckets):
@@ -110,6 +126,12 @@ class PromptWeights:
         if self.cfg.sync == "disk":
             return super().push(version, chunks)
         self.chunks, self.live = chunks, version
+        if getattr(self, "_megatron_manifest", None) is None:
+            from .engine import engine_spec
+            from .weight_stream import stream_manifest
+
+            spec = engine_spec(self.cfg.engine)
+            self._megatron_manifest = {} if spec.names == "hf" else stream_manifest(chunks, spec.namer(None))
         if self.cfg.mode == "async":  # no versions kept: the old weights are whatever the engine still holds
             self.versions = {version: None}
             return self._push_async(version)
@@ -152,3 +174,15 @@ class PromptWeights:
         """The checkpoint's lagged versions ({version: shards, or None on a rank that keeps none}), taken
         up by resumed()."""
         self._lagged_loaded = dict(versions)
+
+    def _share(self, box: list) -> Batch:
+        """Collective: rank 0's batch (or its failure's line, then RolloutFailed on every rank) to every rank."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            on_host = self.wait_group is not None or str(self.device) == "cpu"
+            dist.broadcast_object_list(box, src=0, group=self.wait_group,
+                                       device=None if on_host else torch.device(self.device))
+        if isinstance(box[0], str):
+            if self.rank == 0:
+                say(box[0])
+            raise RolloutFailed(box[0])
+        return box[0]

@@ -149,9 +149,13 @@ class Sampler:
     def rollouts(self, step: int) -> Batch:
         """The global batch of 0-based `step`: prompts x group samples, rewards, group advantages."""
         version = self._held_version(step)
+        return self._batch(step, version, self.engine(version))
+
+    def _batch(self, step: int, version: int, engine: Engine) -> Batch:
+        """The batch of `step` sampled by `engine` (on policy version `version`)."""
         g, p = self.cfg.group_size, self.cfg.prompts_per_step
         prompts = self.task.prompts(self.seed, step, p).repeat_interleave(g, 0)
-        tokens, answer_lp, kept, routed = self.sample(self.engine(version), prompts, step)
+        tokens, answer_lp, kept, routed = self.sample(engine, prompts, step)
         lengths = self.task.lengths(tokens)  # a variable-length row ends at its first EOS
         tokens = tokens.masked_fill(torch.arange(tokens.shape[1]) >= lengths[:, None], PAD)
         rewards, correct = self.task.rewards(tokens)

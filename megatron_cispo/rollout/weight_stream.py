@@ -168,21 +168,46 @@ def _tensors(chunks, tensors):
                 yield mod, name, p, (p.detach() if tensors is None else tensors[i][name])
 
 
+def _shape_of(mod, name: str, p, t: Tensor):
+    """(canonical global name, full shape, TP split dim or -1, gated fc1, split over TP, and its shard
+    group, size, rank) of parameter `name` of module `mod`, whose tensor to send is `t`."""
+    group, size, rank = shard_group(name)
+    split = bool(getattr(p, "tensor_model_parallel", False)) and size > 1
+    gname = next(iter(canonical_names({global_param_name(mod, name): None})))
+    dim = tp_split_dim(gname) if split else -1
+    full = list(t.shape)
+    if split:
+        full[dim] *= size
+    glu = bool(mod.config.gated_linear_unit) and gname.endswith("linear_fc1.weight")
+    return gname, full, dim, glu, split, group, size, rank
+
+
+def stream_manifest(chunks, namer: Namer) -> dict[str, tuple[int, ...]]:
+    """Collective over the world: {name: full shape} of every tensor stream_buckets(chunks, namer=namer)
+    sends, from every sender's regions (what a receiver's Staging needs to know the stream complete)."""
+    import torch.distributed as dist
+
+    own = {}
+    for mod, name, p, t in _tensors(chunks, None):
+        gname, full, dim, glu, split, _, size, rank = _shape_of(mod, name, p, t)
+        if rank == 0:
+            for r in (range(size) if split else [0]):
+                own.update({g.name: tuple(g.shape) for g in namer(gname, tuple(full), r, size, dim, glu)})
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return own
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, own)
+    return {k: v for part in every for k, v in part.items()}
+
+
 def _own_buckets(chunks, namer: Namer, bucket_bytes: int, tensors, buffer=None) -> Iterator[Bucket]:
     """This rank's part of the stream: TP gathers (as sender or peer); buckets only on senders. A parameter
     goes from its DP = 0 copy (expert DP for experts: sends_param), so TP peers skip alike."""
     packer, scratch = None, {}
     for mod, name, p, t in _tensors(chunks, tensors):
-        group, size, rank = shard_group(name)
-        split = bool(getattr(p, "tensor_model_parallel", False)) and size > 1
+        gname, full, dim, glu, split, group, size, rank = _shape_of(mod, name, p, t)
         if not split and rank != 0:
             continue
-        gname = next(iter(canonical_names({global_param_name(mod, name): None})))
-        dim = tp_split_dim(gname) if split else -1
-        full = list(t.shape)
-        if split:
-            full[dim] *= size
-        glu = bool(mod.config.gated_linear_unit) and gname.endswith("linear_fc1.weight")
         row_bytes = t[0].numel() * t.element_size() if t.dim() > 0 else t.element_size()
         rows = bucket_bytes // (row_bytes * (size if split else 1))
         if rows < 1:

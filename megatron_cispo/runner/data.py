@@ -46,11 +46,11 @@ class RolloutConfig:
         "vllm = vLLM's offline engine in its own process (rank 0 starts it), on the same synced weights, "
         "sampling data.prompts (needs the [vllm] extra, model.hf_path and data.prompts).")
     sync: Literal["stream", "disk"] = config_field(
-        "stream", "How rollout.engine=vllm gets the trainer's weights after each step: stream = named buckets "
-        "from one rank per pipeline stage through vLLM's weight-transfer API (on CPU this project's shared-memory "
-        "engine), in the parameters' dtype, no rank holding more than about two buckets beyond the model; disk = "
-        "the whole model gathered, written as an fp32 HF directory and reloaded (the fallback). The torch and hf "
-        "engines gather the model into their own in-process copy either way.")
+        "stream", "How the engine gets the trainer's weights after each step: stream = named buckets from one "
+        "rank per pipeline stage (and one per EP rank for experts) into the engine's update_weights (vLLM: its "
+        "weight-transfer API, on CPU this project's shared-memory engine; torch, hf: rank 0's in-process engine), "
+        "in the parameters' dtype, no rank holding more than about two buckets beyond the model; disk = the whole "
+        "model gathered, written as an fp32 HF directory and reloaded (the fallback, vLLM only).")
     mode: Literal["sync", "async"] = config_field(
         "sync", "sync = the engine samples step t's batch when the trainer asks, with policy version max(0, t - "
         "staleness): an exact, reproducible lag (tests, the demo table). async = rollout.engine=vllm generates the "
@@ -113,6 +113,9 @@ class RolloutConfig:
             raise ValueError(f"rollout.mode='async' generates beside the trainer, which an engine in its own process "
                              f"(rollout.engine: vllm) does; the {self.engine!r} engine samples inside the trainer's "
                              "step: use rollout.mode: sync")
+        if self.sync == "disk" and not spec.disk:
+            raise ValueError(f"rollout.sync='disk' reloads an exported HF directory, which the {self.engine!r} engine "
+                             "does not: it takes the weights streamed (rollout.sync: stream)")
         if self.mode == "async" and self.sync != "stream":
             raise ValueError("rollout.mode='async' pushes weights between generations, bucket by bucket: it needs "
                              f"rollout.sync: stream, got {self.sync!r}")

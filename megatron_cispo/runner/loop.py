@@ -32,7 +32,7 @@ from ..step.policy_step import NONFINITE_CHECKS
 from .metrics import MetricsWriter, headline, say
 from ..rollout.prompt_sampler import PromptSampler
 from ..rollout.prompt_sources import RolloutFailed, check_sources
-from ..rollout.sampler import Sampler
+from ..rollout.task_sampler import TaskSampler
 
 
 class NonFiniteStop(RuntimeError):
@@ -80,7 +80,7 @@ class _Trainer:
     env: Any  # runner.distributed's Env: rank, world_size, device, backend, health, timeout_s
     chunks: list
     optimizer: Any
-    sampler: Sampler
+    sampler: Any  # TaskSampler or PromptSampler
     step_cfg: Any
     dp_rank: int
     dp: int
@@ -175,7 +175,7 @@ def _set_up(cfg: ExperimentConfig, env, prompts=None) -> _Trainer:
                                 clip_grad=o.clip_grad, adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2,
                                 bf16=cfg.model.dtype == "bf16", distributed=o.distributed)
     if prompts is None:  # the synthetic task (an engine without prompt files: rollout/engine.py)
-        sampler = Sampler(cfg.model, cfg.rollout, seed=cfg.run.seed, device=env.device)
+        sampler = TaskSampler(cfg, rank=env.rank, device=env.device)
     else:  # data.prompts, as run() read and checked it
         sampler = PromptSampler(cfg, rank=env.rank, device=env.device, sources=prompts)
     step_cfg = StepConfig(micro_batch_size=p.micro_batch_size, temperature=cfg.rollout.temperature,
