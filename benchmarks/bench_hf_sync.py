@@ -3,7 +3,7 @@
     python benchmarks/bench_hf_sync.py                       # the tiny models of tools/make_tiny_hf, ~1 minute
     python benchmarks/bench_hf_sync.py --families qwen2 --repeats 20
 
-Per family and rollout.precision: the wall time of HFEngine(full, arch, dtype) (to_hf, write_hf_dir
+Per family and rollout.precision: the wall time of HFEngine.from_state(full, arch, dtype) (to_hf, write_hf_dir
 of a fp32 model.safetensors into a temporary directory, AutoModelForCausalLM.from_pretrained) and,
 of that, the write_hf_dir alone; median and range over --repeats syncs after one warm-up. `full` is
 the source model mapped to megatron names (hf.mapping.from_hf), as gather_full_state returns it.
@@ -59,7 +59,7 @@ def main() -> None:
             n = iter(range(10**6))
             write = _ms(lambda: write_hf_dir(hf, arch, Path(tmp) / f"w{next(n)}", dtype=torch.float32), args.repeats)
             for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-                sync = _ms(lambda: HFEngine(full, arch, dtype=dtype), args.repeats)
+                sync = _ms(lambda: HFEngine.from_state(full, arch, dtype=dtype), args.repeats)
                 print(f"{family:<10} {name:<9} {statistics.median(sync):6.1f} ({min(sync):.1f}..{max(sync):.1f}){'':<12}"
                       f"{statistics.median(write):6.1f} ({min(write):.1f}..{max(write):.1f})", flush=True)
 

@@ -1,18 +1,18 @@
-"""The sampler: a separate copy of the policy that lags the trainer by `staleness` versions.
+"""The synthetic task's batch: a copy of the policy that lags the trainer by `staleness` versions.
 
-    sampler.push(version, chunks)                       # explicit weight sync (collective gather)
+    sampler.sync(version, full_state)                   # a version's full weights (unit tests; disk fallback)
     batch = sampler.rollouts(step)                      # global batch, sampled with version step - k
 
-As in a fully-async system it never reads the trainer's live parameters: it keeps the synced
-versions in a queue, samples with its own temperature and precision (e.g. bf16 against an
-fp32 trainer) and returns its per-token logprobs. rollout.engine picks the engine (engine.py's registry):
-torch (torch_engine.py, the synthetic GPT) or hf (hf_engine.py: transformers' model of model.hf_path's
-family); a version reaches it through the engine protocol, as named buckets (update_weights), and the
-batch comes from its generate(). Every rank generates the whole global batch (sample r of step t keyed
-by t * n + r) and keeps its DP shard. Variable-length tasks still sample answer_len tokens per row; a
-row ends at its first EOS (`Batch.lengths`). With rollout.top_k / top_p it samples from the filtered
-distribution, as vLLM does, and returns the kept sets (compressed rows) and the logprobs renormalised
-over them (sampling-mask replay).
+Sampler is the in-process core that TaskSampler (task_sampler.py: a run, rank 0's engine fed by the
+weight stream) and PromptSampler build on. It never reads the trainer's live parameters: it samples
+with its own temperature and precision (e.g. bf16 against an fp32 trainer) and returns its per-token
+logprobs. rollout.engine picks the engine (engine.py's registry): torch (torch_engine.py, the synthetic
+GPT) or hf (hf_engine.py: transformers' model of model.hf_path's family); a version reaches it through
+the engine protocol, as named buckets (update_weights), and the batch comes from its generate(), sample
+r of step t keyed by t * n + r, so every layout gets the same batch. Variable-length tasks still sample
+answer_len tokens per row; a row ends at its first EOS (`Batch.lengths`). With rollout.top_k / top_p it
+samples from the filtered distribution, as vLLM does, and returns the kept sets (compressed rows) and
+the logprobs renormalised over them (sampling-mask replay).
 """
 from __future__ import annotations
 
@@ -83,8 +83,9 @@ class Sampler:
             self._built = None  # built from weights it no longer holds
 
     def push(self, version: int, chunks) -> None:
-        """Collective: the trainer's model chunks are now policy version `version`; gathered whole
-        (base/weights.gather_full_state) for this in-process engine's copy."""
+        """Collective: the trainer's model chunks are now policy version `version`, gathered whole
+        (base/weights.gather_full_state): PromptSampler's rollout.sync=disk fallback only (the runs'
+        samplers stream instead, prompt_weights.EngineWeights.push)."""
         from ..base.weights import gather_full_state
 
         self.sync(version, gather_full_state(chunks))
