@@ -175,8 +175,37 @@ def _expand_preset(spec: Any, rest: dict, path: str) -> dict:
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 
 
+class FrozenDict(dict):
+    """A read-only, hashable dict (a plugin loss's section in the frozen, hashed LossConfig)."""
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self.items())))
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("a LossConfig section is read-only; build a new LossConfig")
+
+    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _refuse
+
+
+def _frozen(value: Any) -> Any:
+    if isinstance(value, dict):
+        return FrozenDict({k: _frozen(v) for k, v in value.items()})
+    if isinstance(value, list):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
+def _own_section(key: str, data: Any) -> bool:
+    """loss.<name> where <name> is the configured policy_loss: that loss's own section."""
+    return key == data.get("policy_loss", "cispo")
+
+
 @dataclass(frozen=True, kw_only=True)
 class LossConfig:
+    # A plugin loss's own settings: loss.<its name> (the configured policy_loss) goes into `sections`, which
+    # the registry builds into the dataclass the loss registered (losses.loss_settings) and checks
+    # (check_loss_config); to_dict writes it back at loss.<its name>.
+    __extra_keys__ = ("sections", _own_section)
     # Loader-only key (schema.loader_keys): the preset's keys replace it before validation, so the
     # built config, the dumped config.yaml and the config hash hold the resolved values.
     __loader_keys__ = {"preset": (
@@ -214,8 +243,11 @@ class LossConfig:
     kl: KLConfig = config_field(factory=KLConfig, doc="KL penalty against the reference policy.")
     correction: CorrectionConfig = config_field(
         factory=CorrectionConfig, doc="Off-policy corrections: token MIS, Geo-RS, OPSM, M2PO.")
+    sections: dict[str, Any] = config_field(
+        factory=dict, doc="A plugin loss's own settings, written loss.<its name> (register_policy_loss(config=)).")
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "sections", _frozen(dict(self.sections)))  # hashable, as every field
         check_field_types(self)
         _require(bool(self.policy_loss), self, "policy_loss", "a registered loss name")
         _require(self.max_len is None or self.max_len > 0, self, "max_len", "None or > 0")

@@ -16,7 +16,7 @@ import types
 import typing
 from collections.abc import Iterator, Mapping
 from dataclasses import MISSING, field
-from typing import Any, Literal, Union
+from typing import Any, Literal, Optional, Union
 
 import yaml
 
@@ -136,6 +136,13 @@ def loader_keys(cls: type) -> dict[str, tuple[Any, Any, str]]:
     return getattr(cls, "__loader_keys__", {}) if dataclasses.is_dataclass(cls) else {}
 
 
+def extra_keys(cls: type) -> Optional[tuple[str, Any]]:
+    """`__extra_keys__ = (field, route)`: keys the dataclass does not name for which route(key, data) is
+    true go into its dict-like `field` (a plugin's own section, by name); to_dict writes them back at their
+    own keys, so a dumped config reloads as it was written."""
+    return getattr(cls, "__extra_keys__", None) if dataclasses.is_dataclass(cls) else None
+
+
 def from_dict(cls: type, data: Any, path: str = "") -> Any:
     """Build dataclass `cls` from a nested dict; errors name the full dotted key path.
 
@@ -151,10 +158,14 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
             data = rest if data[key] is None else expand(data[key], rest, _join(path, key))
     hints = _type_hints(cls)
     known = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    extra = extra_keys(cls)
+    if extra is not None:
+        routed = {k: v for k, v in data.items() if k not in known and extra[1](k, data)}
+        if routed:
+            data = {**{k: v for k, v in data.items() if k not in routed}, extra[0]: {**data.get(extra[0], {}), **routed}}
     unknown = [k for k in data if k not in known]
     if unknown:
-        names = [*known, *loader_keys(cls)]
-        raise ConfigError(f"{_join(path, unknown[0])}: unknown key; known keys: {', '.join(names)}")
+        raise ConfigError(f"{_join(path, unknown[0])}: unknown key; known keys: {_known_names(cls)}")
     kwargs = {}
     for name, f in known.items():
         if name in data:
@@ -172,7 +183,12 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
 def to_dict(obj: Any) -> Any:
     """Dataclass (nested) -> plain dicts, lists and scalars; inverse of from_dict."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        extra = extra_keys(type(obj))
+        out = {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+               if extra is None or f.name != extra[0]}
+        if extra is not None:
+            out.update({k: to_dict(v) for k, v in dict(getattr(obj, extra[0])).items()})
+        return out
     if isinstance(obj, (list, tuple)):
         return [to_dict(v) for v in obj]
     if isinstance(obj, Mapping):
@@ -210,7 +226,14 @@ def _has_comment(text: str) -> bool:
     return any(not any(a <= i < b for a, b in tokens) for i, c in enumerate(text) if c == "#")
 
 
-def _schema_child(schema: Any, key: str, path: str) -> Any:
+def _known_names(cls: type) -> str:
+    """The keys a dataclass takes, for an unknown-key message (its extra-keys field is written by name)."""
+    extra = extra_keys(cls)
+    fields = [f.name for f in dataclasses.fields(cls) if extra is None or f.name != extra[0]]
+    return ", ".join([*fields, *loader_keys(cls)])
+
+
+def _schema_child(schema: Any, key: str, path: str, node: Any = None) -> Any:
     """Type of field `key` inside `schema` (a dataclass, dict type or Any); errors on unknown keys."""
     args = [a for a in typing.get_args(schema) if a is not type(None)]
     if typing.get_origin(schema) in (Union, types.UnionType) and len(args) == 1:
@@ -219,9 +242,11 @@ def _schema_child(schema: Any, key: str, path: str) -> Any:
         hints = typing.get_type_hints(schema)
         if key in loader_keys(schema):
             return loader_keys(schema)[key][0]
+        extra = extra_keys(schema)
+        if key not in hints and extra is not None and extra[1](key, node if isinstance(node, dict) else {}):
+            return dict[str, Any]  # a section by name, as from_dict routes it
         if key not in hints:
-            names = ", ".join([*(f.name for f in dataclasses.fields(schema)), *loader_keys(schema)])
-            raise ConfigError(f"{path}: unknown key; known keys: {names}")
+            raise ConfigError(f"{path}: unknown key; known keys: {_known_names(schema)}")
         return hints[key]
     if typing.get_origin(schema) is dict or schema is Any:
         return typing.get_args(schema)[1] if typing.get_args(schema) else Any
@@ -243,7 +268,7 @@ def apply_overrides(data: Mapping, overrides: list[str], *, schema: Any = None) 
         for i, part in enumerate(parts):
             path = _join(path, part)
             if tp is not None:
-                tp = _schema_child(tp, part, path)
+                tp = _schema_child(tp, part, path, node)
             elif not isinstance(node, dict) or part not in node:
                 raise ConfigError(f"{path}: unknown key in override {item!r}")
             if i == len(parts) - 1:
@@ -263,7 +288,10 @@ def describe_fields(cls: type, prefix: str = "") -> Iterator[tuple[str, str, Any
     hints = typing.get_type_hints(cls)
     for name, (tp, _, doc) in loader_keys(cls).items():
         yield _join(prefix, name), type_name(tp), None, doc
+    extra = extra_keys(cls)
     for f in dataclasses.fields(cls):
+        if extra is not None and f.name == extra[0]:
+            continue  # the sections are the plugins': documented with them
         key, tp = _join(prefix, f.name), hints[f.name]
         if dataclasses.is_dataclass(tp):
             yield from describe_fields(tp, key)

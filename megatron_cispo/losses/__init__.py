@@ -22,6 +22,7 @@ from .registry import (
     available_policy_losses,
     check_loss_config,
     get_policy_loss,
+    loss_settings,
     register_policy_loss,
     required_inputs,
 )
@@ -30,6 +31,6 @@ from .metrics import Metrics
 __all__ = [
     "ENTRY_POINT_GROUP", "LOG_RATIO_CLAMP", "LossInputs", "Metrics", "PolicyLoss", "PolicyLossOutput",
     "PolicyLossPluginError", "aggregate", "available_policy_losses", "check_loss_config", "compute_policy_loss", "finalize",
-    "get_policy_loss", "kl_estimate", "log_ratio", "per_token_policy_loss", "register_policy_loss",
+    "get_policy_loss", "kl_estimate", "log_ratio", "loss_settings", "per_token_policy_loss", "register_policy_loss",
     "required_inputs", "token_weights", "valid_tokens",
 ]

@@ -7,10 +7,11 @@ the policy step which optional tensors (old/rollout/ref logprobs, entropy) a con
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.metadata
 from dataclasses import dataclass
-from typing import Callable, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 from torch import Tensor
 
@@ -45,6 +46,8 @@ class PolicyLoss:
     quantity of the current policy), so loss.head=fused_grad may form its gradient chunk by chunk.
     bounds: cfg -> (low, high), the ratio bounds the loss applies (a clamp, a clip, a trust band),
     which the Megatron-LM drop-in's truncated-fraction metrics report; None: the loss has none.
+    config: a frozen dataclass of the loss's own settings, written loss.<name> in the YAML and read
+    with loss_settings(cfg); None: the loss takes none.
     """
 
     name: str
@@ -53,6 +56,7 @@ class PolicyLoss:
     anchor_key: Optional[str] = None
     per_token: bool = False
     bounds: Optional[Bounds] = None
+    config: Optional[type] = None
 
     def bounds_for(self, cfg: LossConfig) -> Optional[tuple[float, float]]:
         return None if self.bounds is None else self.bounds(cfg)
@@ -73,7 +77,7 @@ _plugins_loaded = False
 
 def register_policy_loss(name: str, *, anchor: Union[Anchor, Callable[[LossConfig], Anchor]],
                          anchor_key: Optional[str] = None, per_token: bool = False,
-                         bounds: Optional[Bounds] = None) -> Callable[[LossFn], LossFn]:
+                         bounds: Optional[Bounds] = None, config: Optional[type] = None) -> Callable[[LossFn], LossFn]:
     """Decorator: register `fn` under `name`. Registering a name twice raises ValueError.
 
     anchor: "old", "rollout", or a function of the config; anchor_key names the config key
@@ -81,11 +85,15 @@ def register_policy_loss(name: str, *, anchor: Union[Anchor, Callable[[LossConfi
     bounds: what the loss declares about itself (PolicyLoss); a loss that declares nothing is
     served by the plain fused head under loss.head=fused_grad and reports no truncated fraction.
     """
+    if config is not None and not (dataclasses.is_dataclass(config) and config.__dataclass_params__.frozen):
+        raise ValueError(f"policy loss {name!r}: config= must be a frozen dataclass (@dataclass(frozen=True)), "
+                         f"got {config!r}")
+
     def decorate(fn: LossFn) -> LossFn:
         if name in _REGISTRY:
             raise ValueError(f"policy loss {name!r} is already registered (by {_REGISTRY[name].fn.__module__})")
         _REGISTRY[name] = PolicyLoss(name=name, fn=fn, anchor=anchor, anchor_key=anchor_key, per_token=per_token,
-                                     bounds=bounds)
+                                     bounds=bounds, config=config)
         return fn
     return decorate
 
@@ -126,6 +134,26 @@ def get_policy_loss(name: str) -> PolicyLoss:
     return _REGISTRY[name]
 
 
+@functools.lru_cache(maxsize=64)
+def loss_settings(cfg: LossConfig) -> Any:
+    """The configured loss's own settings (its register_policy_loss(config=) dataclass, built from
+    loss.<its name>, defaults where unset); None for a loss that registered none. ValueError, one line
+    naming the key, for a section the loss does not take or a wrong value."""
+    spec = get_policy_loss(cfg.policy_loss)
+    stray = sorted(set(cfg.sections) - {cfg.policy_loss})
+    if stray:
+        raise ValueError(f"loss.{stray[0]}: a section for a loss other than policy_loss={cfg.policy_loss!r}")
+    given = dict(cfg.sections.get(cfg.policy_loss, {}))
+    if spec.config is None:
+        if given:
+            raise ValueError(f"loss.{cfg.policy_loss}: the {cfg.policy_loss!r} loss takes no settings of its own "
+                             "(it registered no config=)")
+        return None
+    from ..schema import from_dict
+
+    return from_dict(spec.config, given, f"loss.{cfg.policy_loss}")
+
+
 def check_loss_config(cfg: LossConfig) -> PolicyLoss:
     """Every rule that needs the registry, so it also covers plugin losses: the loss exists, its
     anchor is valid, and a loss anchored on pi_rollout is not stacked with a rho-correction (TIS,
@@ -138,6 +166,7 @@ def check_loss_config(cfg: LossConfig) -> PolicyLoss:
     """
     spec = get_policy_loss(cfg.policy_loss)
     _checked_anchor(cfg, spec)
+    loss_settings(cfg)  # the loss's own section: taken, and its values right
     return spec
 
 

@@ -14,7 +14,8 @@ from megatron_cispo.losses import compute_policy_loss, get_policy_loss, registry
 from megatron_cispo.losses.token_grad import fused_grad_fallback
 from test_token_grad import assert_fused_grad_equals_fused  # _step_case's microbatch, both heads
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "docs" / "examples"
 CFG = LossConfig(policy_loss="capped_reinforce")
 
 
@@ -68,6 +69,50 @@ def test_the_dropin_reports_the_fraction_the_loss_truncates(plugin):
 
 def test_fused_grad_serves_it_without_falling_back_and_equals_the_fused_head(plugin):
     assert_fused_grad_equals_fused({"policy_loss": "capped_reinforce"})
+    # with its own section: a lower cap clips more of the same microbatch, and still nothing falls back
+    assert_fused_grad_equals_fused({"policy_loss": "capped_reinforce", "sections": {"capped_reinforce": {"cap": 1.1}}})
+
+
+def test_its_section_is_read_from_the_yaml_overridden_dumped_and_reloaded(plugin, tmp_path):
+    from megatron_cispo.losses import loss_settings
+    from megatron_cispo.runner.experiment import dump_yaml, load_experiment
+
+    yaml = tmp_path / "exp.yaml"
+    yaml.write_text((ROOT / "yaml_configs" / "demo_cpu.yaml").read_text().replace(
+        "  policy_loss: cispo\n", "  policy_loss: capped_reinforce\n  capped_reinforce:\n    cap: 3.0\n"))
+    cfg = load_experiment(yaml, [])
+    assert loss_settings(cfg.loss) == plugin.CappedReinforceConfig(cap=3.0)
+    assert get_policy_loss("capped_reinforce").bounds_for(cfg.loss) == clip_bounds(cfg.loss) == (0.0, 3.0)
+    over = load_experiment(yaml, ["loss.capped_reinforce.cap=1.5"])
+    assert loss_settings(over.loss).cap == 1.5 and hash(over.loss) != hash(cfg.loss)
+    dumped = tmp_path / "dumped.yaml"
+    dumped.write_text(dump_yaml(over))
+    assert "  capped_reinforce:\n    cap: 1.5\n" in dumped.read_text()
+    again = load_experiment(dumped, [])
+    assert again.loss == over.loss and loss_settings(again.loss).cap == 1.5
+    assert loss_settings(CFG) == plugin.CappedReinforceConfig()  # no section: the defaults
+
+
+@pytest.mark.parametrize("overrides,says", [
+    (["loss.capped_reinforce.cap=-1"], "loss.capped_reinforce: cap must be > 0, got -1.0"),
+    (["loss.capped_reinforce.cab=1"], "loss.capped_reinforce.cab: unknown key; known keys: cap"),
+    (["loss.capped_reinforce.cap=high"], "loss.capped_reinforce.cap"),
+    (["loss.policy_loss=cispo", "loss.capped_reinforce.cap=3"], "loss.capped_reinforce: unknown key"),
+])
+def test_a_bad_section_is_one_line_naming_the_key(plugin, overrides, says):
+    from megatron_cispo.config import ConfigError
+    from megatron_cispo.runner.experiment import load_experiment
+
+    with pytest.raises(ConfigError) as e:
+        load_experiment(ROOT / "yaml_configs" / "demo_cpu.yaml", ["loss.policy_loss=capped_reinforce", *overrides])
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_loss_without_a_section_refuses_one():
+    from megatron_cispo.losses import loss_settings
+
+    with pytest.raises(ValueError, match="the 'cispo' loss takes no settings of its own"):
+        loss_settings(LossConfig(policy_loss="cispo", sections={"cispo": {"x": 1}}))
 
 
 def test_the_docs_code_block_is_the_example_verbatim():
