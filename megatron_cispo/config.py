@@ -140,7 +140,11 @@ class CorrectionConfig:
     """Off-policy corrections, each off (null) by default and composable with any loss. Under the
     old anchor they act on rho = pi_old / pi_rollout (and need pi_old, as TIS does); under the
     rollout anchor on r = pi_theta / pi_rollout, detached; OPSM on its opsm_ref under either anchor.
-    Dropped tokens and sequences stay in the denominator. Formulas and sources: docs/algorithm.md."""
+    Dropped tokens and sequences stay in the denominator. Formulas and sources: docs/algorithm.md.
+    A plugin correction's own settings (correction.<its name>) go into `sections`; the correction
+    registry (losses/corrections.py) builds them and refuses a name no correction registered."""
+
+    __extra_keys__ = ("sections", lambda key, data: True)
 
     mis: Optional[tuple[float, float]] = config_field(
         None, "Token masked IS (IcePop): keep a token only if lo <= ratio <= hi.")
@@ -157,8 +161,11 @@ class CorrectionConfig:
         None, "M2PO second-moment trust region, tau: before the step, mask the tokens with the largest "
         "(log rho)^2 until the mean of (log rho)^2 over the kept tokens of the global batch is <= tau "
         "(old anchor only; costs the pi_old pass).")
+    sections: dict[str, Any] = config_field(
+        factory=dict, doc="A plugin correction's settings, written correction.<its name> (losses.corrections).")
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "sections", _frozen(dict(self.sections)))  # hashable, as every field
         check_field_types(self)  # the Literal field included
         _check_band(self, "mis")
         _check_band(self, "geo_rs")

@@ -1,29 +1,136 @@
-"""Off-policy corrections as a keep mask on the per-token loss: token MIS (IcePop), Geo-RS, OPSM,
-and M2PO's selection made before the step.
+"""Off-policy corrections as a keep mask on the per-token loss, each a registered Correction: token MIS
+(IcePop), Geo-RS, OPSM, and M2PO's selection made before the step; a plugin adds its own.
 
     keep = correction_keep(cfg.correction, anchor, logprobs=lp, old=old, rollout=rollout,
                            advantages=adv, valid=valid, m=m, seq_sum=seq_sum, selected=None)
     per_token = torch.where(keep, per_token, 0.0)  # None: nothing configured; drops stay counted
 
-Under the old anchor MIS and Geo-RS test rho = pi_old / pi_rollout; under the rollout anchor the
-detached r = pi_theta / pi_rollout that the clamp sees. Sequence means are segment sums (seq_sum:
-one CP all-reduce each when cp > 1) in fp64, so every layout takes the same keep decision.
+A correction declares what it needs (needs: the inputs, and why, for required_inputs and the messages),
+what it keeps (keep: a [b, s] mask from the shared context), whether a chunk of a sequence can compute
+it (chunk: why loss.head=fused_grad must fall back, or None), whether it divides by pi_rollout (refused
+under the rollout anchor, which already does) and, for a plugin, its settings (config: a frozen
+dataclass written correction.<name> in the YAML). Under the old anchor MIS and Geo-RS test
+rho = pi_old / pi_rollout; under the rollout anchor the detached r = pi_theta / pi_rollout that the
+clamp sees. Sequence means are segment sums (seq_sum: one CP all-reduce each when cp > 1) in fp64, so
+every layout takes the same keep decision.
 """
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
 from ..config import CorrectionConfig
-from .common import LOG_RATIO_CLAMP, SeqSum, row_sum
+from .common import SeqSum, row_sum
 from .metrics import Metrics
+
+BOTH = ("old_logprobs", "rollout_logprobs")
+
+
+@dataclass
+class Context:
+    """What a correction's keep() reads: the microbatch's tensors ([b, s]; old / rollout fp32, finite
+    on `valid` where needed), the anchor, the Metrics to record into, seq_sum, and M2PO's `selected`;
+    the shared quantities are computed once, on first use."""
+
+    anchor: str
+    logprobs: Tensor
+    old: Optional[Tensor]
+    rollout: Optional[Tensor]
+    advantages: Tensor
+    valid: Tensor
+    m: Metrics
+    seq_sum: SeqSum
+    selected: Optional[Tensor]
+
+    @functools.cached_property
+    def log_ratio(self) -> Tensor:
+        """The ratio MIS and Geo-RS test, as a detached log, 0 off `valid`."""
+        assert self.rollout is not None, "input_reasons makes rollout_logprobs required for mis/geo_rs"
+        return torch.where(self.valid, correction_log_ratio(self.anchor, self.logprobs, self.old, self.rollout), 0.0)
+
+    @functools.cached_property
+    def count(self) -> Tensor:
+        """Each token's sequence length in valid tokens (>= 1), fp64."""
+        return self.seq_sum(self.valid.double()).clamp(min=1.0)
+
+    def seq_mean(self, x: Tensor) -> Tensor:
+        return _seq_mean(x, self.valid, self.count, self.seq_sum)
+
+    def sequence_drops(self, name: str, drop: Tensor) -> None:
+        # per sequence 1/len: the weighted mean is the fraction of sequences, exact over CP and DP.
+        self.m.weighted_mean(f"correction/{name}_dropped_frac", drop.float(), 1.0 / self.count, self.valid)
+        self.m.frac(f"correction/{name}_dropped_token_frac", drop, self.valid)
+
+
+@dataclass(frozen=True)
+class Correction:
+    """settings(c: CorrectionConfig) -> its setting, None when off (a plugin's: its config dataclass,
+    from correction.<name>). keep(settings, ctx) -> [b, s] bool (True = kept). needs(settings, anchor) ->
+    {input: why}. chunk(settings, anchor, old_from_current, cp_size) -> why a chunk cannot compute it,
+    or None. selection: a mask made before the step and handed in (M2PO's), active whenever given."""
+
+    name: str
+    keep: Callable[[Any, Context], Tensor]
+    needs: Callable[[Any, str], dict] = lambda s, anchor: {}
+    chunk: Callable[[Any, str, bool, int], Optional[str]] = lambda s, anchor, old_from_current, cp: None
+    divides_by_rollout: bool = False
+    config: Optional[type] = None
+    settings: Optional[Callable[[CorrectionConfig], Any]] = None
+    selection: bool = False
+
+    def setting(self, c: CorrectionConfig) -> Any:
+        if self.settings is not None:
+            return self.settings(c)
+        return plugin_settings(self, c.sections.get(self.name)) if self.name in c.sections else None
+
+
+CORRECTIONS: dict[str, Correction] = {}
+
+
+def register_correction(correction: Correction) -> Correction:
+    """Add `correction` (applied after those registered before it); ValueError for a taken name."""
+    if correction.name in CORRECTIONS:
+        raise ValueError(f"correction {correction.name!r} is already registered")
+    if correction.config is not None and not (dataclasses.is_dataclass(correction.config)
+                                              and correction.config.__dataclass_params__.frozen):
+        raise ValueError(f"correction {correction.name!r}: config= must be a frozen dataclass")
+    CORRECTIONS[correction.name] = correction
+    return correction
+
+
+@functools.lru_cache(maxsize=64)
+def plugin_settings(correction: Correction, section) -> Any:
+    from ..schema import from_dict
+
+    if correction.config is None:
+        raise ValueError(f"correction.{correction.name}: the correction takes no settings (it registered no config=)")
+    return from_dict(correction.config, dict(section or {}), f"correction.{correction.name}")
+
+
+def active(c: CorrectionConfig, selected: Optional[Tensor] = None, *, applying: bool = False) -> list[tuple[Correction, Any]]:
+    """The corrections on, in registration order, each with its setting; applying: in the loss, where a
+    selection (M2PO's) is on only when handed in. ValueError, one line, for a correction.<name> no
+    correction registered."""
+    stray = sorted(set(c.sections) - set(CORRECTIONS))
+    if stray:
+        raise ValueError(f"correction.{stray[0]}: unknown key; known keys: mis, geo_rs, opsm, opsm_ref, m2po"
+                         + "".join(f", {n}" for n in CORRECTIONS if n not in CorrectionConfig.__dataclass_fields__))
+    out = []
+    for corr in CORRECTIONS.values():
+        setting = corr.setting(c)
+        if (selected is not None) if corr.selection and applying else setting is not None:
+            out.append((corr, setting))
+    return out
 
 
 def corrections_on(c: CorrectionConfig, selected: Optional[Tensor] = None) -> bool:
     """Whether any correction zeroes tokens in the loss (M2PO through its `selected` mask)."""
-    return c.mis is not None or c.geo_rs is not None or c.opsm is not None or selected is not None
+    return bool(active(c, selected, applying=True))
 
 
 def correction_log_ratio(anchor: str, logprobs: Tensor, old: Optional[Tensor], rollout: Tensor) -> Tensor:
@@ -40,12 +147,6 @@ def _seq_mean(x: Tensor, mask: Tensor, count: Tensor, seq_sum: SeqSum) -> Tensor
     return seq_sum(torch.where(mask, x.double(), 0.0)) / count
 
 
-def _sequence_drop_metrics(m: Metrics, name: str, drop: Tensor, per_seq: Tensor, valid: Tensor) -> None:
-    # per_seq = 1/len: the weighted mean is the fraction of sequences, exact over CP and DP.
-    m.weighted_mean(f"correction/{name}_dropped_frac", drop.float(), per_seq, valid)
-    m.frac(f"correction/{name}_dropped_token_frac", drop, valid)
-
-
 def correction_keep(c: CorrectionConfig, anchor: str, *, logprobs: Tensor, old: Optional[Tensor],
                     rollout: Optional[Tensor], advantages: Tensor, valid: Tensor, m: Metrics,
                     seq_sum: SeqSum = row_sum, selected: Optional[Tensor] = None) -> Optional[Tensor]:
@@ -54,49 +155,36 @@ def correction_keep(c: CorrectionConfig, anchor: str, *, logprobs: Tensor, old: 
 
     logprobs: current pi_theta [b, s] (detached here). old / rollout: [b, s] fp32, finite on
     `valid` where the config needs them. advantages: [b, s] (a [b] advantage expanded).
-    selected: a selection made before the step (M2PO's), False = drop. Rules (inclusive bands):
-      mis [lo, hi]     keep a token iff lo <= ratio_t <= hi
-      geo_rs [lo, hi]  keep a sequence iff lo <= exp(mean_t log ratio_t) <= hi
-      opsm delta       drop a sequence iff mean_t A < 0 and mean_t log(pi_ref / pi_theta) > delta,
-                       pi_ref = pi_rollout, or pi_old with opsm_ref='old'
-    Means run over the sequence's valid tokens. Collectives: seq_sum's, 1 to 4 calls.
+    selected: a selection made before the step (M2PO's), False = drop. The built-in rules are in
+    correction_rules.py. Collectives: seq_sum's, 1 to 4 calls for the built-ins.
     """
-    if not corrections_on(c, selected):
+    on = active(c, selected, applying=True)
+    if not on:
         return None
+    ctx = Context(anchor, logprobs, old, rollout, advantages, valid, m, seq_sum, selected)
     keep = torch.ones_like(valid)
-    if c.mis is not None or c.geo_rs is not None:
-        assert rollout is not None, "input_reasons makes rollout_logprobs required for mis/geo_rs"
-        d = torch.where(valid, correction_log_ratio(anchor, logprobs, old, rollout), 0.0)
-    if c.mis is not None:
-        # fp64, like the sequence means: the bands compare exactly as written (1 + 1e-9 drops r = 1).
-        ratio = d.double().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-        hit = (ratio >= c.mis[0]) & (ratio <= c.mis[1])
-        m.frac("correction/mis_masked_frac", ~hit, valid)
-        m.min_max("correction/mis_ratio", ratio, valid)
-        keep = keep & hit
-    if c.geo_rs is not None or c.opsm is not None:
-        count = seq_sum(valid.double()).clamp(min=1.0)
-        per_seq = 1.0 / count
-    if c.geo_rs is not None:
-        geo = _seq_mean(d, valid, count, seq_sum).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
-        hit = (geo >= c.geo_rs[0]) & (geo <= c.geo_rs[1])
-        _sequence_drop_metrics(m, "geo_rs", ~hit, per_seq, valid)
-        m.min_max("correction/geo_rs_ratio", geo, valid)
-        keep = keep & hit
-    if c.opsm is not None:
-        ref = rollout if c.opsm_ref == "rollout" else old
-        assert ref is not None, "input_reasons makes the opsm_ref logprobs required for opsm"
-        # DeepSeek-V3.2: a negative sequence the policy has already moved away from (strict >).
-        kl = _seq_mean(ref - logprobs.detach(), valid, count, seq_sum)
-        drop = (_seq_mean(advantages.detach(), valid, count, seq_sum) < 0) & (kl > c.opsm)
-        _sequence_drop_metrics(m, "opsm", drop, per_seq, valid)
-        m.min_max("correction/opsm_seq_kl", kl, valid)
-        keep = keep & ~drop
-    if selected is not None:
-        m.frac("correction/m2po_masked_frac", selected == 0, valid)
-        keep = keep & (selected != 0)
+    for corr, setting in on:
+        keep = keep & corr.keep(setting, ctx)
     m.frac("correction/dropped_token_frac", ~keep, valid)
     return keep
+
+
+def correction_inputs(c: CorrectionConfig, anchor: str) -> dict[str, str]:
+    """{input: why} the configured corrections need (M2PO counted as configured by correction.m2po)."""
+    reasons: dict[str, str] = {}
+    for corr, setting in active(c):
+        for name, why in corr.needs(setting, anchor).items():
+            reasons.setdefault(name, why)
+    return reasons
+
+
+def correction_chunk_problem(c: CorrectionConfig, anchor: str, old_from_current: bool, cp_size: int) -> Optional[str]:
+    """Why a configured correction cannot be computed chunk by chunk (loss.head=fused_grad), or None."""
+    for corr, setting in active(c):
+        why = corr.chunk(setting, anchor, old_from_current, cp_size)
+        if why:
+            return why
+    return None
 
 
 def mismatch_sequence_metrics(m: Metrics, old: Tensor, rollout: Tensor, mask: Tensor,
@@ -108,3 +196,6 @@ def mismatch_sequence_metrics(m: Metrics, old: Tensor, rollout: Tensor, mask: Te
     mean = _seq_mean(old - rollout, mask, count, seq_sum)
     m.weighted_mean("mismatch/seq_log_rho_mean", mean, 1.0 / count, mask)
     m.min_max("mismatch/seq_log_rho", mean, mask)
+
+
+from . import correction_rules  # noqa: E402,F401 - the built-ins register themselves, in this order

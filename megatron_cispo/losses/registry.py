@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ..config import LossConfig
 from .common import LossInputs
+from .corrections import active, correction_inputs
 from .metrics import Metrics
 
 ENTRY_POINT_GROUP = "megatron_cispo.policy_losses"
@@ -173,7 +174,9 @@ def check_loss_config(cfg: LossConfig) -> PolicyLoss:
 @functools.lru_cache(maxsize=64)
 def _checked_anchor(cfg: LossConfig, spec: PolicyLoss) -> Anchor:
     anchor = spec.anchor_for(cfg)
-    rho_corrections = (("tis.level", cfg.tis.level, "TIS"), ("correction.m2po", cfg.correction.m2po, "M2PO"))
+    rho_corrections = [("tis.level", cfg.tis.level, "TIS")] + [
+        (f"correction.{corr.name}", setting, corr.name.upper() if corr.settings else corr.name)
+        for corr, setting in active(cfg.correction) if corr.divides_by_rollout]
     for key, value, what in rho_corrections:
         if anchor == "rollout" and value is not None:
             where = f"{spec.anchor_key}='rollout'" if spec.anchor_key else f"policy_loss={cfg.policy_loss!r}"
@@ -196,15 +199,8 @@ def _input_reasons(cfg: LossConfig, spec: PolicyLoss) -> dict[str, str]:
     if cfg.tis.level is not None:
         for name in ("old_logprobs", "rollout_logprobs"):
             reasons.setdefault(name, f"tis.level={cfg.tis.level!r}")
-    c = cfg.correction
-    settings = {"mis": c.mis and list(c.mis), "geo_rs": c.geo_rs and list(c.geo_rs), "m2po": c.m2po}
-    for key, value in settings.items():  # on rho under the old anchor (m2po: refused on the rollout one)
-        if value is not None and anchor == "old":
-            for name in ("old_logprobs", "rollout_logprobs"):
-                reasons.setdefault(name, f"correction.{key}={value!r}")
-    if c.opsm is not None:  # mean log(pi_ref / pi_theta) under either anchor
-        ref = "" if c.opsm_ref == "rollout" else f" with opsm_ref={c.opsm_ref!r}"
-        reasons.setdefault(f"{c.opsm_ref}_logprobs", f"correction.opsm={c.opsm!r}{ref}")
+    for name, why in correction_inputs(cfg.correction, anchor).items():  # each correction's own needs
+        reasons.setdefault(name, why)
     if cfg.kl.coef > 0:
         reasons["ref_logprobs"] = f"kl.coef={cfg.kl.coef!r}"
         if cfg.kl.is_weight:  # the weight pi / pi_rollout

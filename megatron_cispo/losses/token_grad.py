@@ -22,6 +22,7 @@ from torch import Tensor
 from ..config import LossConfig
 from .common import SeqSum, row_sum
 from .compute import compute_policy_loss, per_token_policy_loss
+from .corrections import correction_chunk_problem
 from .metrics import Metrics
 from .registry import check_loss_config
 
@@ -34,24 +35,16 @@ def fused_grad_fallback(cfg: LossConfig, old_from_current: bool, *, cp_size: int
     current policy never are. kept_set: the microbatch replays sampling masks (the op takes none).
     """
     spec = check_loss_config(cfg)
-    c = cfg.correction
     if kept_set:
         return "the microbatch has kept sets (sampling-mask replay), which fused_grad_logprobs does not take"
     if not spec.per_token:
         return (f"policy_loss={cfg.policy_loss!r} is not registered per_token=True: its loss may read whole "
                 "sequences")
-    if c.opsm is not None:
-        return f"correction.opsm={c.opsm!r} reads the current policy's sequence mean of log(pi_ref / pi_theta)"
-    if c.geo_rs is not None and spec.anchor_for(cfg) == "rollout":
-        return (f"correction.geo_rs={list(c.geo_rs)!r} under the rollout anchor reads the current policy's "
-                "sequence mean of log(pi_theta / pi_rollout)")
-    for key, on in (("tis.level='sequence'", cfg.tis.level == "sequence"),
-                    (f"correction.geo_rs={c.geo_rs and list(c.geo_rs)!r}", c.geo_rs is not None)):
-        if on and old_from_current:
-            return f"{key} with pi_old from the training forward reads the current policy's sequence total"
-        if on and cp_size > 1:
-            return f"{key} under context parallelism needs a CP all-reduce of sequence totals per chunk"
-    return None
+    if cfg.tis.level == "sequence" and old_from_current:
+        return "tis.level='sequence' with pi_old from the training forward reads the current policy's sequence total"
+    if cfg.tis.level == "sequence" and cp_size > 1:
+        return "tis.level='sequence' under context parallelism needs a CP all-reduce of sequence totals per chunk"
+    return correction_chunk_problem(cfg.correction, spec.anchor_for(cfg), old_from_current, cp_size)
 
 
 def microbatch_loss(cfg: LossConfig, lp: Tensor, *, given: dict, seq_sum: SeqSum = row_sum,
