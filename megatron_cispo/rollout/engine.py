@@ -93,6 +93,7 @@ class EngineSpec:
     routes: it returns MoE routes (Completion.routes), so loss.routing_replay=rollout can use it.
     names: how its weights are named in the stream: "hf" (the export mapping) or "megatron".
     disk: it can also reload an exported HF directory (rollout.sync: disk, the fallback).
+    replicas: several of it can run at once (rollout.engines > 1: engine_pool.py).
     options: the rollout.<options> key of its own settings, passed through (None: it takes none).
     check: "module:function", check(cfg) -> None or one line: what the engine itself refuses at --check
     (installed? can it serve this model here?), before any rank starts.
@@ -106,6 +107,7 @@ class EngineSpec:
     routes: bool
     names: str = "hf"
     disk: bool = False
+    replicas: bool = False
     options: Optional[str] = None
     check: Optional[str] = None
 
@@ -150,5 +152,5 @@ register_engine(EngineSpec("torch", "megatron_cispo.rollout.torch_engine:open_en
 register_engine(EngineSpec("hf", "megatron_cispo.rollout.hf_engine:open_engine", hf_model=True,
                            prompt_files=False, overlaps=False, routes=True))
 register_engine(EngineSpec("vllm", "megatron_cispo.rollout.vllm_engine:open_engine", hf_model=True,
-                           prompt_files=True, overlaps=True, routes=False, disk=True, options="vllm",
+                           prompt_files=True, overlaps=True, routes=False, disk=True, replicas=True, options="vllm",
                            check="megatron_cispo.rollout.vllm_engine:start_problem"))

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import time
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional
@@ -124,7 +125,12 @@ class PromptSampler(EngineWeights, PromptAsync, PromptEval, Sampler):
                             max_model_len=engine_len(r.vllm, self.model_cfg.seq_length),
                             kept_sets=r.top_k > 0 or r.top_p < 1, log_path=str(self.log),
                             start_timeout_s=self.limit_s / 2, call_timeout_s=self.limit_s / 2, options=options)
-        if stream:
+        if stream and r.engines > 1:  # replica k logs to vllm.<k>.log beside vllm.log (replica 0)
+            from .engine_pool import open_pool
+
+            log = lambda k: start.log_path if k == 0 else str(self.log.with_name(f"vllm.{k}.log"))  # noqa: E731
+            self.engine_ = open_pool(lambda k: engine_spec(r.engine).open(replace(start, log_path=log(k))), r.engines)
+        elif stream:
             self.engine_ = engine_spec(r.engine).open(start)
         else:
             self.engine_ = VLLMEngine(model_dir, precision=r.precision, seed=self.seed, max_model_len=start.max_model_len,
@@ -175,6 +181,8 @@ class PromptSampler(EngineWeights, PromptAsync, PromptEval, Sampler):
                 return self._groups(again, info, start)
             groups, counts = refill(groups, more, want=self.cfg.prompts_per_step, max_rounds=self.cfg.filter_max_rounds)
             info.update(counts)
+        if hasattr(self.engine_, "info"):  # rollout.engines > 1: the prompts each replica served
+            info.update(self.engine_.info())
         rows = [(gr.prompt.token_ids, c) for gr in groups for c in gr.completions]
         info["rollout/prompt_index_first"] = float(groups[0].prompt.index)
         return rows_to_batch(rows, [r for gr in groups for r in gr.rewards], group_size=self.cfg.group_size,

@@ -152,23 +152,39 @@ class VLLMEngine:
         EngineError, or the stream's own exception. manifest: every HF tensor a complete push holds.
         Returns {"sync/seconds", "sync/bytes", "sync/buckets"}."""
         t0, nbytes, count = time.perf_counter(), 0, 0
-        buf = self.buffer(manifest, bucket_bytes)
-        self._call("wstart", None, "starting a weight update", self.call_timeout_s, "see the log")
+        self.begin_update(manifest, bucket_bytes)
         try:
             for bucket in buckets:
-                n = bucket.data.numel()
-                if bucket.data.data_ptr() != buf.data_ptr():  # not packed in place (stream_buckets(buffer=))
-                    buf[:n].copy_(bucket.data.view(-1).cpu())
-                self._call("wupdate", {"blocks": [astuple(b) for b in bucket.blocks], "nbytes": n},
-                           f"receiving weight bucket {count}", self.call_timeout_s, "see the log", fatal=False)
-                nbytes, count = nbytes + n, count + 1
+                nbytes, count = nbytes + self.add_bucket(bucket, count), count + 1
         except BaseException:
-            if self.proc is not None:  # the engine is up: end the update there, loading nothing
-                self._call("wabort", None, "aborting a weight update", self.call_timeout_s, "see the log")
+            self.abort_update()
             raise
+        self.finish_update()
+        return {"sync/seconds": time.perf_counter() - t0, "sync/bytes": float(nbytes), "sync/buckets": float(count)}
+
+    # update_weights in parts, for a caller that feeds several engines one bucket at a time (engine_pool.py)
+    def begin_update(self, manifest: dict, bucket_bytes: int) -> None:
+        self.buffer(manifest, bucket_bytes)
+        self._call("wstart", None, "starting a weight update", self.call_timeout_s, "see the log")
+
+    def add_bucket(self, bucket, index: int = 0) -> int:
+        """Bucket `index` of the update begun: copied into the shared file unless packed there; its bytes."""
+        buf = self._shm[1]
+        n = bucket.data.numel()
+        if bucket.data.data_ptr() != buf.data_ptr():  # not packed in place (stream_buckets(buffer=))
+            buf[:n].copy_(bucket.data.view(-1).cpu())
+        self._call("wupdate", {"blocks": [astuple(b) for b in bucket.blocks], "nbytes": n},
+                   f"receiving weight bucket {index}", self.call_timeout_s, "see the log", fatal=False)
+        return n
+
+    def finish_update(self) -> None:
         self._call("wfinish", None, "loading the streamed weights", self.call_timeout_s,
                    "the stream must hold every tensor of the engine's model", fatal=False)
-        return {"sync/seconds": time.perf_counter() - t0, "sync/bytes": float(nbytes), "sync/buckets": float(count)}
+
+    def abort_update(self) -> None:
+        """End the update begun, loading nothing (the engine keeps its weights); nothing when it is closed."""
+        if self.proc is not None:
+            self._call("wabort", None, "aborting a weight update", self.call_timeout_s, "see the log")
 
     def buffer(self, manifest: dict, bucket_bytes: int) -> torch.Tensor:
         """The shared bucket file ([bucket_bytes] uint8, mapped here and in the engine), made and announced

@@ -51,6 +51,11 @@ class RolloutConfig:
         "weight-transfer API, on CPU this project's shared-memory engine; torch, hf: rank 0's in-process engine), "
         "in the parameters' dtype, no rank holding more than about two buckets beyond the model; disk = the whole "
         "model gathered, written as an fp32 HF directory and reloaded (the fallback, vLLM only).")
+    engines: int = config_field(
+        1, "Engine replicas (rollout.engine: vllm): every weight push reaches all of them and each step's prompts "
+        "are split across them (rollout/engine_pool.py); the batch is the one a single engine makes.")
+    placement: Literal["local"] = config_field(
+        "local", "Where the replicas run: local = child processes beside rank 0 (Ray placement is not built yet).")
     mode: Literal["sync", "async"] = config_field(
         "sync", "sync = the engine samples step t's batch when the trainer asks, with policy version max(0, t - "
         "staleness): an exact, reproducible lag (tests, the demo table). async = rollout.engine=vllm generates the "
@@ -113,6 +118,14 @@ class RolloutConfig:
             raise ValueError(f"rollout.mode='async' generates beside the trainer, which an engine in its own process "
                              f"(rollout.engine: vllm) does; the {self.engine!r} engine samples inside the trainer's "
                              "step: use rollout.mode: sync")
+        if self.engines < 1:
+            raise ValueError(f"rollout.engines must be >= 1, got {self.engines}")
+        if self.engines > 1 and not spec.replicas:
+            raise ValueError(f"rollout.engines={self.engines}: the {self.engine!r} engine runs inside the trainer's "
+                             "process, one copy; replicas are engines in their own processes (rollout.engine: vllm)")
+        if self.engines > 1 and self.sync != "stream":
+            raise ValueError(f"rollout.engines={self.engines} pushes each version to every replica in buckets: it "
+                             f"needs rollout.sync: stream, got {self.sync!r}")
         if self.sync == "disk" and not spec.disk:
             raise ValueError(f"rollout.sync='disk' reloads an exported HF directory, which the {self.engine!r} engine "
                              "does not: it takes the weights streamed (rollout.sync: stream)")

@@ -19,6 +19,7 @@ the lags do (an engine that happens to start a batch after the next push gives i
 import importlib.util
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -176,6 +177,42 @@ def test_staleness_1_on_pp2_moves_the_ratio_off_1_and_streamed_equals_disk_step_
         assert all(a[key] == b[key] for key in keys), (a["step"], [(a[k], b[k]) for k in keys])
         same += 1
     assert same >= 2, [r["policy_version_lag"] for r in fed]  # step 1 lags 0 and batch 2 is made before any push
+
+
+def test_two_engines_give_one_engine_s_batches_both_serve_and_a_replica_killed_stops_the_run_in_one_line(
+        model, tmp_path):
+    """rollout.engines=2 (two vLLM processes, local placement), fp32, staleness 0: the same steps, bit for bit,
+    as one engine (every prompt keyed by its own seed wherever it runs), the ratio within 1e-4 of 1, each
+    replica serving half the prompts. Then one replica is SIGKILLed mid-run: the run stops with exit 7 and
+    one line naming the replica, and the other replica's process dies with it."""
+    two = _run(model, tmp_path / "two", "rollout.engines=2", steps=3)
+    one = _run(model, tmp_path / "one", steps=3)
+    keys = ("cispo/ratio_min", "cispo/ratio_max", "loss", "grad_norm", "reward_mean")
+    assert [[r[k] for k in keys] for r in two] == [[r[k] for k in keys] for r in one]
+    assert all(_off_one(r) <= 1e-4 for r in two)
+    assert [(r["rollout/engine0_prompts"], r["rollout/engine1_prompts"]) for r in two] == [(2, 2), (4, 4), (6, 6)]
+    assert (tmp_path / "two" / "vllm.1.log").exists()
+    run_dir = tmp_path / "killed"
+    reward = f"data.reward={model.parent / 'spread.py'}:spread"
+    (tmp_path / "job").mkdir()
+    job = Job(tmp_path / "job", 2, [YAML, f"model.hf_path={model}", f"run.run_dir={run_dir}", "run.steps=100000",
+                                    reward, *FAST, "rollout.engines=2"])
+    try:
+        job.wait_for_steps(run_dir, 2, timeout=300)
+        engines = _engine_children(job.workers()[0])
+        assert len(engines) == 2, engines
+        os.kill(engines[1], signal.SIGKILL)
+        assert job.proc.wait(timeout=120) != 0, job.output()[-3000:]
+    finally:
+        job.kill()
+    said = [ln for ln in job.output().splitlines() if "[vllm:cispo] rollout at step" in ln]
+    assert len(said) == 1 and "engine replica 1: vLLM engine process died" in said[0], job.output()[-3000:]
+    assert "exitcode: 7" in job.output()  # EXIT_ROLLOUT_FAILED on every rank; torchrun reports the first
+    assert "megatron_cispo/" not in job.output()  # no traceback of ours (torchrun prints its own)
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{engines[0]}").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not Path(f"/proc/{engines[0]}").exists(), "the other replica outlived the run"
 
 
 def test_top_p_0_9_on_tp2_sp_untied_replays_vllms_kept_sets_ratio_still_1_and_evaluates_held_out_prompts(
