@@ -229,3 +229,20 @@ def _synthetic_state(model_cfg) -> dict:
     state = {k: (torch.ones(sh) if len(sh) == 1 else torch.randn(*sh, generator=g) * 0.2) for k, sh in shapes.items()}
     TorchGPT(state, model_cfg)  # every name the engine reads is there
     return state
+
+
+@pytest.mark.parametrize("overrides,says", [
+    (["rollout.engines=2"], "rollout.engines=2: the 'torch' engine runs inside the trainer's process, one copy"),
+    (["rollout.engines=0"], "rollout.engines must be >= 1, got 0"),
+    (["rollout.sync=disk"], "rollout.sync='disk' reloads an exported HF directory, which the 'torch' engine does not"),
+    (["rollout.mode=async"], "rollout.mode='async' generates beside the trainer"),
+    (["rollout.engine=nope"], "rollout.engine='nope' is not a registered engine; registered: ['hf', 'torch', 'vllm']"),
+    (["rollout.placement=ray"], "rollout.placement: expected 'local'"),
+])
+def test_what_an_engine_cannot_do_is_refused_in_one_line_where_the_config_is_read(overrides, says):
+    from megatron_cispo.config import ConfigError
+    from megatron_cispo.runner.experiment import load_experiment
+
+    with pytest.raises(ConfigError) as e:
+        load_experiment("yaml_configs/demo_cpu.yaml", overrides)
+    assert says in str(e.value) and "\n" not in str(e.value)
