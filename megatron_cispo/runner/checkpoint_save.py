@@ -15,6 +15,8 @@ the checkpoint is in place.
 """
 from __future__ import annotations
 
+import errno
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -44,22 +46,41 @@ def first_failure(error: str | None) -> tuple[int, str] | None:
     return next(((rank, e) for rank, e in enumerate(errors) if e is not None), None)
 
 
-def _attempt(parts: list[tuple[Path | None, Callable[[], None]]]) -> str | None:
-    """Run each (file it writes, fn) in order; the first failure in one line naming its file, else None."""
+# Less than this free after a failed write: the disk is full, whatever the writer said. torch's zip writer
+# (torch.save, which torch.distributed.checkpoint uses for objects) reports a short write as
+# "unexpected pos", not as ENOSPC.
+FULL_DISK_BYTES = 1 << 20
+
+
+def _attempt(parts: list[tuple[Path | None, Callable[[], None]]], directory: Path) -> str | None:
+    """Run each (file it writes, fn) in order; the first failure in one line naming its file, else None.
+    A failure that is not an OSError while `directory`'s disk is full says so (ENOSPC)."""
     for path, fn in parts:
         try:
             fn()
         except FAILURES as e:  # noqa: B014 - CheckpointException is a BaseException
             said = durable.describe_error(e)
+            if not isinstance(durable.root_cause(e), OSError) and _free_bytes(directory) < FULL_DISK_BYTES:
+                said = f"OSError: [Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)} (the writer said {said})"
             return said if path is None or str(path) in said else f"{path}: {said}"
     return None
+
+
+def _free_bytes(directory: Path) -> float:
+    """Free bytes where `directory` is (its nearest existing parent); infinity when that cannot be read."""
+    for d in (directory, *directory.parents):
+        try:
+            return shutil.disk_usage(d).free
+        except OSError:
+            continue
+    return float("inf")
 
 
 def _part(parts, run_dir, step: int, *, on_every_rank: bool = False) -> None:
     """Collective: run `parts` on rank 0 (or on every rank), then agree; on a failure anywhere rank 0
     removes the temporary directory and every rank raises the same SaveFailed."""
     rank = dist.get_rank()
-    failed = first_failure(_attempt(parts) if on_every_rank or rank == 0 else None)
+    failed = first_failure(_attempt(parts, files_.root(run_dir)) if on_every_rank or rank == 0 else None)
     if failed is None:
         return
     box = [None]
