@@ -118,8 +118,9 @@ def active(c: CorrectionConfig, selected: Optional[Tensor] = None, *, applying: 
     correction registered."""
     stray = sorted(set(c.sections) - set(CORRECTIONS))
     if stray:
-        raise ValueError(f"correction.{stray[0]}: unknown key; known keys: mis, geo_rs, opsm, opsm_ref, m2po"
-                         + "".join(f", {n}" for n in CORRECTIONS if n not in CorrectionConfig.__dataclass_fields__))
+        fields = [f.name for f in dataclasses.fields(CorrectionConfig) if f.name != "sections"]
+        known = fields + [n for n in CORRECTIONS if n not in fields]  # the plugins' after the config's own keys
+        raise ValueError(f"correction.{stray[0]}: unknown key; known keys: {', '.join(known)}")
     out = []
     for corr in CORRECTIONS.values():
         setting = corr.setting(c)

@@ -175,7 +175,7 @@ def check_loss_config(cfg: LossConfig) -> PolicyLoss:
 def _checked_anchor(cfg: LossConfig, spec: PolicyLoss) -> Anchor:
     anchor = spec.anchor_for(cfg)
     rho_corrections = [("tis.level", cfg.tis.level, "TIS")] + [
-        (f"correction.{corr.name}", setting, corr.name.upper() if corr.settings else corr.name)
+        (f"correction.{corr.name}", setting, corr.name.upper())
         for corr, setting in active(cfg.correction) if corr.divides_by_rollout]
     for key, value, what in rho_corrections:
         if anchor == "rollout" and value is not None:

@@ -59,29 +59,23 @@ class PromptSampler(EngineWeights, PromptAsync, PromptEval, Sampler):
     def __init__(self, cfg, *, rank: int, device: torch.device | str = "cpu", sources: Optional[Sources] = None):
         """sources: data.prompts and data.eval_prompts as check_sources read them (read here when None)."""
         super().__init__(cfg.model, cfg.rollout, seed=cfg.run.seed, device=device)
-        self.exp, self.rank = cfg, rank
         if sources is None:
             sources = Sources(open_prompts(cfg), open_prompts(cfg, held_out=True) if cfg.data.eval_prompts else None)
         self.stream, self.held_out = sources.prompts, sources.eval
         self.eos = eos_ids(cfg.model.hf_path)
-        self.engine_: Optional[object] = None  # rank 0: the VLLMEngine
-        self.loaded: Optional[int] = None      # the policy version the engine holds
         self.reward = self.eval_reward = None  # rank 0: the RewardRunners (training, data.eval_prompts)
         # Rank 0 samples while the other ranks wait in the batch's broadcast, which fails after
         # run.dist_timeout_s: each engine call may take half of it, a step's rollout 90% in all; with
         # data.reward_budget_s the scoring has that budget and the wait a group whose timeout adds it.
         self.limit_s = 0.9 * cfg.run.dist_timeout_s
         self.reward_budget_s = cfg.data.reward_budget_s
-        self.wait_group = rollout_wait_group(cfg.run.dist_timeout_s, self.reward_budget_s)
+        self._init_weights(cfg, rank, rollout_wait_group(cfg.run.dist_timeout_s, self.reward_budget_s))
         self.log = Path(cfg.run.run_dir) / "vllm.log"    # the engine process's output (appended on a resume)
         self._tmp = Path(cfg.run.run_dir) / "vllm_weights"  # the synced version vLLM reloads (rank 0)
-        self.chunks = None  # rollout.sync=stream: the model chunks, the live version's weights
-        self.live: Optional[int] = None  # the version the live parameters hold
         self.feed = None  # rollout.mode=async, rank 0: the AsyncFeed generating ahead
         self._pushed: tuple[dict, Optional[str]] = ({}, None)  # async: the last push's metrics, or its failure
         self._trained_prompts: Optional[dict] = None  # async, rank 0: the stream's state after the last batch taken
         self._dropped_said = False
-        self._lagged_loaded: dict = {}  # the checkpoint's lagged versions, until resumed() takes them
         if rank == 0 and self.cfg.sync == "disk":
             shutil.rmtree(self._tmp, ignore_errors=True)  # a killed run's export
             self._tmp.mkdir(parents=True)

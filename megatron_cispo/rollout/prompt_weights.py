@@ -27,7 +27,19 @@ from .sampler import Batch
 
 class EngineWeights:
     """The weights side of the samplers with an engine on rank 0 (PromptSampler, TaskSampler): each version
-    into the engine, the lagged versions, the batch shared with every rank. Attributes: set by their __init__."""
+    into the engine, the lagged versions, the batch shared with every rank. Its own state: _init_weights()."""
+
+    def _init_weights(self, cfg, rank: int, wait_group=None) -> None:
+        """The state this side keeps; called by the sampler's __init__ after Sampler's."""
+        self.exp, self.rank = cfg, rank
+        self.engine_ = None  # rank 0: the engine (rollout.engine), started at the first push
+        self.loaded: Optional[int] = None  # the policy version the engine holds
+        self.chunks = None  # rollout.sync=stream: the model chunks, the live version's weights
+        self.live: Optional[int] = None  # the version the live parameters hold
+        self.wait_group = wait_group  # the group the batch's broadcast runs in (None: the default one)
+        self._lagged_loaded: dict = {}  # the checkpoint's lagged versions, until resumed() takes them
+        self._versions_in_checkpoint = False  # rollout.sync=disk: the checkpoint held rank 0's versions
+        self._megatron_manifest: Optional[dict] = None  # megatron-named engines: gathered at the first push
 
     def _export(self, version: int) -> tuple[Path, int]:
         """Policy version `version` as an HF directory for vLLM; (its path, bytes of weights written)."""
@@ -126,7 +138,7 @@ class EngineWeights:
         if self.cfg.sync == "disk":
             return super().push(version, chunks)
         self.chunks, self.live = chunks, version
-        if getattr(self, "_megatron_manifest", None) is None:
+        if self._megatron_manifest is None:
             from .engine import engine_spec
             from .weight_stream import stream_manifest
 

@@ -22,14 +22,7 @@ from .sampler import Batch, Sampler
 class TaskSampler(EngineWeights, Sampler):
     def __init__(self, cfg, *, rank: int, device: torch.device | str = "cpu"):
         super().__init__(cfg.model, cfg.rollout, seed=cfg.run.seed, device=device)
-        self.exp, self.rank = cfg, rank
-        self.engine_ = None  # rank 0: the engine (rollout.engine)
-        self.loaded = None   # the policy version the engine holds
-        self.chunks, self.live = None, None  # the model chunks, the live version's weights
-        self.wait_group = None  # the batch's broadcast: the default group
-        self._lagged_loaded: dict = {}  # the checkpoint's lagged versions, until resumed() takes them
-        self._versions_in_checkpoint = False
-        self._megatron_manifest = None
+        self._init_weights(cfg, rank)
 
     def _start_engine(self, model_dir, stream: bool) -> dict:
         """Rank 0: rollout.engine in this process, fed by update_weights."""

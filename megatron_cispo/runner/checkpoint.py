@@ -131,6 +131,11 @@ def _model_state_dict(chunks, metadata: dict) -> dict:
             for i, m in enumerate(models)}
 
 
+def _model_part(sd: dict) -> dict:
+    """The model entries of _sharded_state_dict's result (the lagged versions take their metadata)."""
+    return {k: v for k, v in sd.items() if k == "model" or k.startswith("model") and k[5:].isdigit()}
+
+
 def _load_models(chunks, state: dict) -> None:
     from megatron.core.utils import unwrap_model
 
@@ -154,7 +159,7 @@ def save(run_dir, step: int, *, chunks, optimizer, shared: dict, keep: int, conf
         held = obj.lagged_shards() if hasattr(obj, "lagged_shards") else {}
         if held:
             marker[f"{name}_lagged"] = sorted(held)
-            sd.update(lagged_state_dict(_model_state_dict(chunks, _metadata()), chunks, name, held))
+            sd.update(lagged_state_dict(_model_part(sd), chunks, name, held))
     return checkpoint_save.write(run_dir, step, sd, extra=extra, marker=marker, keep=keep)
 
 
@@ -288,8 +293,7 @@ def load(path: Path, *, chunks, optimizer, shared: dict) -> int:
         lagged = {name: info.get(f"{name}_lagged", []) for name, obj in shared.items() if hasattr(obj, "load_lagged")}
         for name, versions in lagged.items():
             if versions and shared[name].holds_lagged():
-                sd.update(lagged_state_dict(_model_state_dict(chunks, _metadata()), chunks, name,
-                                            {v: None for v in versions}))
+                sd.update(lagged_state_dict(_model_part(sd), chunks, name, {v: None for v in versions}))
         with _quiet("megatron.core.dist_checkpointing.strategies.common"):
             state = dist_checkpointing.load(sd, str(path), **kwargs)
         _load_models(chunks, state)
