@@ -183,13 +183,13 @@ LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "se
 
 
 class FrozenDict(dict):
-    """A read-only, hashable dict (a plugin loss's section in the frozen, hashed LossConfig)."""
+    """A read-only, hashable dict: a plugin's section in the frozen, hashed LossConfig or CorrectionConfig."""
 
     def __hash__(self) -> int:
         return hash(tuple(sorted(self.items())))
 
     def _refuse(self, *args, **kwargs):
-        raise TypeError("a LossConfig section is read-only; build a new LossConfig")
+        raise TypeError("a config section is read-only; build a new config")
 
     __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = _refuse
 

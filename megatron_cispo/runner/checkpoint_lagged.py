@@ -23,9 +23,9 @@ def _param_slots(chunks) -> dict:
 
 def lagged_state_dict(model_sd: dict, chunks, name: str, held: dict) -> dict:
     """Sharded entries for `held` ({version: per chunk {local parameter name: tensor}}, None: an empty
-    one to load into): the model's own sharded tensors (model_sd: the chunks' sharded state dict) (their keys, shapes and replica ids) with another
-    key prefix and the version's data, so a lagged version is saved and resharded exactly as the model is.
-    Keys "<name>_lagged/v<version>/<chunk>:<parameter>"."""
+    one to load into): the sharded tensors of `model_sd` (the chunks' sharded state dict: their keys,
+    shapes and replica ids) with another key prefix and the version's data, so a lagged version is saved
+    and resharded exactly as the model is. Keys "<name>_lagged/v<version>/<chunk>:<parameter>"."""
     from dataclasses import replace
 
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
@@ -43,7 +43,8 @@ def lagged_state_dict(model_sd: dict, chunks, name: str, held: dict) -> dict:
 
     for slot, node in walk(model_sd):
         for v, tensors in held.items():
-            if tensors is None and not sends_param(slot[1]) or tensors is not None and slot[1] not in tensors[slot[0]]:
+            kept_here = sends_param(slot[1]) if tensors is None else slot[1] in tensors[slot[0]]
+            if not kept_here:
                 continue  # another rank's copy is the one kept (sends_param: DP = 0, expert DP = 0 for experts)
             data = torch.empty_like(node.data) if tensors is None else tensors[slot[0]][slot[1]]
             out[f"{name}_lagged/v{v}/{slot[0]}:{slot[1]}"] = replace(node, key=f"{name}_lagged.v{v}.{node.key}", data=data)
