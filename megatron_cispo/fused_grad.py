@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .fused_head import _MIN_DEFAULT_CHUNK_ROWS, _gather_sequence, check_head_args, _Head, _sum_hidden_grad
+from .fused_head import _gather_sequence, check_head_args, default_chunk_rows, _Head, _sum_hidden_grad
 from .vocab_softmax import (CHUNK_BYTES, IGNORE_INDEX, Plan, chunk_grad, chunk_stats,
                             empty_stats, grad_rows, plan_targets, reduce_stats, resolve_group, row_chunks,
                             workspace)
@@ -186,9 +186,10 @@ def fused_grad_logprobs(
     fp32 zero whose backward gives hidden and weight the gradient of the caller's loss.
 
     hidden, weight, targets, tp_group, sequence_parallel, temperature, return_entropy, vocab_size,
-    mask, ignore_index, chunk_rows, head_dtype: as fused_token_logprobs (keep= is not supported).
-    The default chunk_rows is sized from v_local (not the valid columns) so every rank of an
-    uneven vocabulary runs the same chunks.
+    mask, ignore_index, chunk_rows, head_dtype: as fused_token_logprobs (keep= is not supported;
+    the default chunk, fused_head.default_chunk_rows, holds 1/16 of the fp32 logits shard in the compute
+    dtype: 1/16 of the s*b rows in fp32, 1/8 in bf16; it depends on the rows alone, so every rank of
+    an uneven vocabulary runs the same chunks).
     coef_fn(r0, r1, lp_rows, ent_rows) -> (g_lp, g_ent): called once per chunk, in increasing,
         disjoint row order covering rows 0..s*b of the flattened (s-major) [s, b] positions (under
         SP, of the gathered sequence), on every TP rank with identical lp_rows [r1-r0] fp32 and
@@ -205,8 +206,7 @@ def fused_grad_logprobs(
     sp = bool(sequence_parallel)
     check_head_args(hidden, weight, targets, mask, tp, sp, head_dtype)
     if chunk_rows is None:
-        per_row = 4 * max(1, weight.shape[0])
-        chunk_rows = max(_MIN_DEFAULT_CHUNK_ROWS, _chunk_bytes(hidden.device) // per_row)
+        chunk_rows = default_chunk_rows(targets.numel(), (head_dtype or hidden.dtype).itemsize)  # the logits'
     plan, lt, owned, valid = plan_targets(
         targets.long(), weight.shape[0], hidden.device, tp_group=tp_group, temperature=temperature,
         return_entropy=return_entropy, vocab_size=vocab_size, mask=mask, ignore_index=ignore_index,
@@ -215,11 +215,11 @@ def fused_grad_logprobs(
     grad_on = torch.is_grad_enabled()
     need_h, need_w = grad_on and hidden.requires_grad, grad_on and weight.requires_grad
     if (need_h or need_w) and torch.float16 in (hidden.dtype, weight.dtype):
-        # the gradients are formed here, before the loss scale arrives in z's backward: rounded to
-        # fp16 unscaled, small ones would underflow and the grad scaler could not protect them
-        raise ValueError(f"fused_grad_logprobs (loss.head=fused_grad): expected bf16 or fp32 hidden states and "
-                         f"weight, found {hidden.dtype} and {weight.dtype}; fp16 training (loss scaling) needs "
-                         "loss.head='fused' or 'logits'")
+        # the gradients are formed here, before any loss scale can reach them (it arrives in z's
+        # backward): rounded to fp16 unscaled, small ones would underflow
+        raise ValueError(f"fused_grad_logprobs: expected bf16 or fp32 hidden states and weight where they need a "
+                         f"gradient, found {hidden.dtype} and {weight.dtype} (fp16 gradients formed before the "
+                         "loss scale would underflow); score fp16 ones with fused_token_logprobs")
     with torch.no_grad():
         full = hidden
         if sp and plan.group is not None:  # [s/tp, b, h] -> [s, b, h]; freed after the loop

@@ -22,9 +22,22 @@ from .vocab_softmax import (DTYPES, IGNORE_INDEX, Plan, check_devices, chunk_gra
 # Newer torch renames the tensor collectives (the old names warn); older torch has only the old.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-# The default chunk (vocab_softmax.py's CHUNK_BYTES) holds as few as 32 rows at a 32k vocabulary on
-# CPU: too few for a matmul to run near peak (measured 1.5x slower than 128 rows, s=512, h=256).
-_MIN_DEFAULT_CHUNK_ROWS = 128
+# The fused heads' default chunk comes from a memory budget: their workspace holds at most
+# 1/SHARD_CHUNKS of the fp32 [N, v_local] logits shard they never build, so their working set is a
+# fixed fraction of the unfused head's at any length, and a long sequence runs fewer, larger GEMMs
+# (the weight gradient's [v_local, h] sum is read and written once per chunk). Below about
+# SHARD_CHUNKS x MIN_CHUNK_ROWS rows the floor wins: fewer rows run a CPU matmul well below peak
+# (32 rows: 1.5x slower than 128, s=512, h=256), and the whole shard is small there.
+SHARD_CHUNKS = 16
+MIN_CHUNK_ROWS = 128
+
+
+def default_chunk_rows(n_rows: int, workspace_bytes: int) -> int:
+    """Rows per chunk of a fused head over n_rows rows ([s, b] positions) whose workspace holds
+    `workspace_bytes` per logit of a chunk: the rows whose workspace is 1/SHARD_CHUNKS of the fp32
+    logits shard, at least MIN_CHUNK_ROWS. It depends on neither the rank nor its valid columns, so
+    every TP rank runs the same chunks and per-chunk reductions."""
+    return max(MIN_CHUNK_ROWS, 4 * n_rows // (SHARD_CHUNKS * workspace_bytes))
 
 
 @dataclass(frozen=True)
@@ -205,9 +218,10 @@ def fused_token_logprobs(
         [r * v_local, (r + 1) * v_local)): the output layer's weight or the tied embedding's.
     targets: [s, b] int, global ids (already shifted) in [0, vocab_size), or ignore_index.
     tp_group: None means megatron's TP group when its parallel state is initialised, else one
-        process. vocab_size, mask, ignore_index, temperature, return_entropy, chunk_rows: as in
-        token_logprobs (chunk_rows: rows of logits per chunk, default as there but at least 128;
-        the working set is O(chunk_rows * v_local)).
+        process. vocab_size, mask, ignore_index, temperature, return_entropy: as in token_logprobs.
+    chunk_rows: rows of logits per chunk; the working set is O(chunk_rows * v_local). Default
+        default_chunk_rows: a workspace of 1/16 of the fp32 logits shard (1/16 of the s*b rows,
+        1/32 with entropy, whose probabilities take a second block), at least 128.
     head_dtype: the dtype of the matmuls (torch.float32 gives an fp32 head from bf16 parameters;
         it costs one [v_local, h] copy of the weight in forward and one in backward); None means
         the inputs' dtype, and then hidden and weight must agree.
@@ -227,9 +241,8 @@ def fused_token_logprobs(
     plan, lt, owned, valid = plan_targets(
         targets.long(), weight.shape[0], hidden.device, tp_group=tp_group, temperature=temperature,
         return_entropy=return_entropy, vocab_size=vocab_size, mask=mask, ignore_index=ignore_index,
-        chunk_rows=chunk_rows)
-    if chunk_rows is None:
-        plan = replace(plan, chunk_rows=max(plan.chunk_rows, _MIN_DEFAULT_CHUNK_ROWS))
+        chunk_rows=default_chunk_rows(targets.numel(), 8 if return_entropy else 4) if chunk_rows is None
+        else chunk_rows)
     head = _Head(head_dtype or hidden.dtype, sp, tp, rank)
     replay = plan_replay(keep, targets, valid, plan)
     return _FusedTokenLogprobs.apply(hidden, weight, lt, owned, valid, plan, head, replay)

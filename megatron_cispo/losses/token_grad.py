@@ -1,7 +1,7 @@
 """The policy loss's per-token gradient, chunk by chunk, for loss.head=fused_grad (fused_grad.py).
 
     reason = fused_grad_fallback(cfg, old_from_current, cp_size=cp)   # None: per-chunk is exact
-    coef_fn = chunk_coef_fn(lambda lp, ent: microbatch_loss(cfg, lp, ...)[0], (b, s), device=dev)
+    coef_fn = loss_coef_fn(cfg, (b, s), dev, given=..., whole=..., agg_weight=w)   # step/head.py
     lp, ent, z = fused_grad_logprobs(hidden, weight, targets, coef_fn, ...)
 
 Two modes. Chunk-local (chunk_local(cfg, agg_weight) True: the policy step's agg_weight path and
@@ -83,6 +83,23 @@ def rows_loss(cfg: LossConfig, lp: Tensor, ent: Optional[Tensor], pick: Callable
         g["old_logprobs"] = lp.detach()
     per_token, _, _ = per_token_policy_loss(cfg, lp, seq_sum=row_sum, **dict(g, entropy=ent))
     return (per_token * pick(agg_weight)).sum() * loss_scale
+
+
+def loss_coef_fn(cfg: LossConfig, shape: tuple[int, int], device, *, given: dict, whole: Callable,
+                 agg_weight: Optional[Tensor] = None, loss_scale=1.0, old_from_current: bool = False,
+                 entropy: bool = False) -> Callable:
+    """The coef_fn of a microbatch's policy loss (shape (b, s)): chunk-local (rows_loss) where
+    chunk_local holds, else whole(lp [b, s], ent or None) -> the microbatch's loss, differentiated per
+    chunk. given: as rows_loss's; entropy: the head computes entropies (their gradient is taken when
+    cfg.entropy_coef != 0). Exact when fused_grad_fallback is None."""
+    entropy_grad = cfg.entropy_coef != 0
+    if chunk_local(cfg, agg_weight):  # O(rows) per chunk: the chunk's tokens alone
+        return chunk_coef_fn(
+            lambda lp, ent, pick: rows_loss(cfg, lp, ent, pick, given=given, agg_weight=agg_weight,
+                                            loss_scale=loss_scale, old_from_current=old_from_current),
+            shape, device=device, entropy=entropy, entropy_grad=entropy_grad, local=True)
+    # a sequence total reaches the gradient: the whole microbatch's loss per chunk
+    return chunk_coef_fn(whole, shape, device=device, entropy=entropy, entropy_grad=entropy_grad)
 
 
 def chunk_coef_fn(loss_of: Callable[..., Tensor], shape: tuple[int, int], *, device, entropy: bool = False,

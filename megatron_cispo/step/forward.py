@@ -22,10 +22,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..config import LossConfig
-from ..losses.token_grad import chunk_coef_fn, chunk_local, fused_grad_fallback, microbatch_loss, rows_loss
+from ..losses.token_grad import microbatch_loss
 from .groups import default_groups, rank, size
 from .hooks import check_megatron_config
-from .head import forward_with_head, head_fused_grad, head_logprobs, unwrap
+from .head import GradLoss, Head, forward_with_head, head_logprobs, score_microbatch, unwrap
 from .microbatch import Microbatch, as_microbatch
 from .moe import no_aux_loss_without_tokens
 from .packing import microbatches as build_microbatches
@@ -35,20 +35,22 @@ from .routing_replay import replay_routes
 from .rollouts import Rollouts, StepConfig
 
 
-def forward_step_for(loss_func, calls: Optional[list] = None, head: str = "logits", moe=None, pg_collection=None):
+def forward_step_for(loss_func, calls: Optional[list] = None, head: "Head | str" = "logits", moe=None,
+                     pg_collection=None):
     """forward_step(data_iterator, model) that runs the model on a Microbatch (step.microbatch)
     and hands `loss_func(mb, output)` to the schedule; `calls` gets one entry per model forward.
 
     Passes packed_seq_params and the MoE padding_mask when the microbatch has them, and asks a
     Float16Module for its output in the model's dtype (fp32_output=False): the heads upcast chunk
-    by chunk, so an fp32 copy of the logits is never needed. head="fused" (or "fused_grad"): on the last stage the
-    output layer is bypassed for this forward (head.forward_with_head); the model returns the
-    hidden states and the microbatch given to loss_func carries the FusedHead. An MoE model runs
+    by chunk, so an fp32 copy of the logits is never needed. head (step.head.Head, or its kind): a
+    fused head bypasses the output layer on the last stage (head.forward_with_head); the model returns
+    the hidden states and the microbatch given to loss_func carries the FusedHead. An MoE model runs
     an all-padding bin without its aux loss (step.moe.no_aux_loss_without_tokens). moe: a
     step.moe.RouterStats, told which microbatch the routers' records belong to. pg_collection: the
     model's process groups (step/groups.py), for the routes' TP slice; default megatron's, as they are
     at each call (a forward_step built before megatron's parallel state is up still finds them)."""
     given = None if pg_collection is None else default_groups(pg_collection)  # checked here
+    head = Head.coerce(head)
 
     def forward_step(data_iterator, model):
         pg = given if given is not None else default_groups()
@@ -94,33 +96,33 @@ def _say_once(message: str, pg) -> None:
 
 
 def make_loss_func(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_size: Optional[int] = None,
-                   old_from_current: bool = False, entropy: bool = True, cp_group=None, pg_collection=None):
-    """loss_func(microbatch, logits) -> (loss_sum, num_tokens int, Metrics), megatron's 3-tuple.
+                   old_from_current: bool = False, entropy: bool = True, cp_group=None, pg_collection=None,
+                   head: Optional[Head] = None):
+    """loss_func(microbatch, output) -> (loss_sum, num_tokens int, Metrics), megatron's 3-tuple.
 
     microbatch: a step.microbatch.Microbatch, or a dict of its fields (targets, loss_mask,
     advantages [b, s] or a packed [1, T]; optional old/rollout/ref_logprobs and token_keep, M2PO's
     selection: False = no loss, still in the denominator; seq_index and n_seqs, required with
-    agg_weight, else ValueError). logits: [b, s, v/tp] as GPTModel returns them.
+    agg_weight, else ValueError). output: logits [b, s, v/tp] as GPTModel returns them, or the
+    hidden states of a fused head (forward_step_for).
     With agg_weight, agg_share, loss_scale and num_tokens (what policy_step adds) the loss is
-    exact for any split: it returns loss_scale * sum(weight * loss)
-    with num_tokens = the tokens the model (and an MoE router) saw, and megatron's division by
-    the summed num_tokens leaves sum(weight * loss) / the global denominator. Without them, the
-    microbatch is normalised on its own: (loss_sum, its denominator, Metrics).
+    exact for any split: it returns loss_scale * sum(weight * loss) with num_tokens = the tokens the
+    model (and an MoE router) saw, and megatron's division by the summed num_tokens leaves
+    sum(weight * loss) / the global denominator. Without them, the microbatch is normalised on its
+    own: (loss_sum, its denominator, Metrics).
     old_from_current: pi_old = this forward's detached logprobs (one optimizer step per batch).
-    loss.head=fused_grad: the head computes the gradient in its forward (losses.token_grad's
-    coefficients), the value and metrics come from its logprobs through the same code, and the
-    loss returned is value.detach() + z; where losses.token_grad.fused_grad_fallback names a
-    reason, or when the forward found no output layer to fuse (mb.fused None: the logits head ran),
-    the microbatch runs the other head (head/fused_grad_fallback = 1, logged once).
-    Needs calculate_per_token_loss=True. Collectives: token_logprobs' two TP all-reduces, and one
-    CP all-reduce per sequence-level quantity (sequence TIS) when cp > 1. pg_collection: the model's
+    head: step.head.Head (default Head.of(loss_cfg)). Under fused_grad the head forms the gradient
+    in its forward (step.head.score_microbatch) and the loss returned is value.detach() + z; a
+    microbatch it cannot serve exactly runs the plain head (head/fused_grad_fallback = 1, said once).
+    Needs calculate_per_token_loss=True. Collectives: the head's TP all-reduces, and one CP
+    all-reduce per sequence-level quantity (sequence TIS) when cp > 1. pg_collection: the model's
     process groups (step/groups.py); default megatron's, as they are at each call (a loss_func built
     before megatron's parallel state is up still finds them); cp_group, if given, is the CP group instead.
     """
     given_pg = None if pg_collection is None else default_groups(pg_collection)  # checked here
+    head = Head.of(loss_cfg) if head is None else head
     want_entropy = entropy or loss_cfg.entropy_coef != 0
-    fused_grad = loss_cfg.head == "fused_grad"
-    logged: list = []
+    said: list = []
 
     def loss_func(mb: Microbatch, output: Tensor):
         pg = given_pg if given_pg is not None else default_groups()
@@ -131,7 +133,6 @@ def make_loss_func(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_size
                              f"seq_index={'None' if mb.seq_index is None else 'a tensor'}, n_seqs={mb.n_seqs}; "
                              "build it with step.packing.microbatches, or leave out the normalisation fields")
         group = cp if mb.agg_weight is not None and size(cp) > 1 else None
-
         given = dict(advantages=mb.advantages, loss_mask=mb.loss_mask, old_logprobs=mb.old_logprobs,
                      rollout_logprobs=mb.rollout_logprobs, ref_logprobs=mb.ref_logprobs,
                      keep=mb.token_keep)  # M2PO's selection (step.m2po), made before the step
@@ -141,40 +142,23 @@ def make_loss_func(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_size
             return microbatch_loss(loss_cfg, lp, given=g, seq_sum=seq_sum, agg_weight=mb.agg_weight,
                                    agg_share=mb.agg_share, loss_scale=mb.loss_scale)
 
-        seq_sum = None if mb.agg_weight is None else _segment_sum(mb.seq_index, mb.n_seqs, group)
-        z, fell_back = None, None
-        if fused_grad:
-            fell_back = ("no output layer was found to fuse (mb.fused is None): the logits head ran"
-                         if mb.fused is None else
-                         fused_grad_fallback(loss_cfg, old_from_current, kept_set=mb.kept_set is not None,
-                                             cp_size=1 if group is None else dist.get_world_size(group)))
-        if fused_grad and fell_back is None:
-            eg, shape, dev = loss_cfg.entropy_coef != 0, tuple(mb.targets.shape), mb.targets.device
-            if chunk_local(loss_cfg, mb.agg_weight):  # O(rows) per chunk: the chunk's tokens alone
-                coef_fn = chunk_coef_fn(
-                    lambda lp, ent, pick: rows_loss(loss_cfg, lp, ent, pick, given=given, agg_weight=mb.agg_weight,
-                                                    loss_scale=mb.loss_scale, old_from_current=old_from_current),
-                    shape, device=dev, entropy=want_entropy, entropy_grad=eg, local=True)
-            else:  # a sequence total reaches the gradient: the whole microbatch's loss per chunk
-                local = None if seq_sum is None else _segment_sum(mb.seq_index, mb.n_seqs, None)  # no collective
-                coef_fn = chunk_coef_fn(lambda lp, ent: loss_of(lp, ent, local)[0], shape, device=dev,
-                                        entropy=want_entropy, entropy_grad=eg)
-            lp, ent, z = head_fused_grad(mb, output, coef_fn, temperature=temperature, vocab_size=vocab_size,
-                                         entropy=want_entropy, head_fp32=loss_cfg.head_fp32, tp_group=pg.tp)
-        else:
-            out = head_logprobs(mb, output, temperature=temperature, vocab_size=vocab_size, entropy=want_entropy,
-                                head_fp32=loss_cfg.head_fp32, tp_group=pg.tp)
-            lp, ent = out if want_entropy else (out, None)
-        loss, denominator, m = loss_of(lp, ent, seq_sum)
-        if fused_grad:
-            m.sums["head/fused_grad_fallback"] = (torch.ones((), device=lp.device) * (fell_back is not None),
-                                                  torch.ones((), device=lp.device))
-            if fell_back is not None and not logged:
-                logged.append(fell_back)
+        seq_sum, local = None, None
+        if mb.agg_weight is not None:
+            seq_sum = _segment_sum(mb.seq_index, mb.n_seqs, group)
+            local = _segment_sum(mb.seq_index, mb.n_seqs, None)  # fused_grad's per-chunk loss: no collective
+        grad_loss = GradLoss(loss_cfg, given, lambda lp, ent: loss_of(lp, ent, local)[0], mb.agg_weight,
+                             mb.loss_scale, old_from_current, 1 if group is None else dist.get_world_size(group))
+        scored = score_microbatch(mb, output, head, temperature=temperature, vocab_size=vocab_size,
+                                  entropy=want_entropy, tp_group=pg.tp, loss=grad_loss)
+        loss, denominator, m = loss_of(scored.lp, scored.ent, seq_sum)
+        if head.grad:
+            scored.report(m)
+            if scored.fell_back is not None and not said:
+                said.append(True)
                 _say_once(f"loss.head=fused_grad falls back to '{'fused' if mb.fused is not None else 'logits'}': "
-                          f"{fell_back}", pg)
-        if z is not None:
-            loss = loss.detach() + z  # the value of the ordinary loss, the gradient of the op
+                          f"{scored.fell_back}", pg)
+        if scored.z is not None:
+            loss = loss.detach() + scored.z  # the value of the ordinary loss, the gradient of the op
         num_tokens = mb.num_tokens if denominator is None else denominator.round().to(torch.int)
         return loss, num_tokens, m
 
@@ -191,14 +175,15 @@ def make_forward_step(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_s
     `calls`, if given, gets one entry per model forward (for tests and benchmarks). pg_collection:
     the model's process groups (step/groups.py; default megatron's, at each call).
     """
-    loss_func = make_loss_func(loss_cfg, temperature=temperature, vocab_size=vocab_size,
+    head = Head.of(loss_cfg)
+    loss_func = make_loss_func(loss_cfg, temperature=temperature, vocab_size=vocab_size, head=head,
                                old_from_current=old_from_current, entropy=entropy, pg_collection=pg_collection)
-    step = forward_step_for(loss_func, calls, head=loss_cfg.head, pg_collection=pg_collection)
+    step = forward_step_for(loss_func, calls, head=head, pg_collection=pg_collection)
     checked: list = []
 
     def forward_step(data_iterator, model):
         if not checked:  # an in-house loop may have skipped Megatron-LM's train() hooks
-            check_megatron_config([model], head=loss_cfg.head)
+            check_megatron_config([model], head=head)
             checked.append(True)
         return step(data_iterator, model)
     return forward_step
@@ -219,20 +204,20 @@ def run_schedule(chunks, forward_step, microbatches: list, *, forward_only: bool
 
 @torch.no_grad()
 def compute_logprobs(chunks, batch: Rollouts, step_cfg: StepConfig, *, vocab_size: Optional[int] = None,
-                     calls: Optional[list] = None, head: str = "logits", head_fp32: bool = False,
-                     pg_collection=None) -> Tensor:
+                     calls: Optional[list] = None, head: "Head | str" = "logits", pg_collection=None) -> Tensor:
     """Forward-only pass through the schedule, packed or padded as step_cfg says; [n, s] fp32
     logprobs of `batch`'s targets (0 on padding and untrained targets), on every PP and CP rank.
-    head="fused_grad" scores with the plain fused head here: a forward-only pass needs no gradient.
+    head: step.head.Head, or its kind; fused_grad scores with the plain fused head here (a
+    forward-only pass needs no gradient).
     Collectives: the schedule's, a MAX over DP (bin count), a SUM over CP, a broadcast over PP.
     pg_collection: the model's process groups (step/groups.py; default megatron's)."""
     pg = default_groups(pg_collection)
+    head = Head.coerce(head).without_grad()
     temperature = step_cfg.temperature
     shape = (batch.tokens.shape[0], batch.tokens.shape[1] - 1)
     microbatches = build_microbatches(batch, None, step_cfg, step_layout(chunks, step_cfg, pg), pg.dp)
     def loss_func(mb, output):
-        lp = head_logprobs(mb, output, temperature=temperature, vocab_size=vocab_size, entropy=False,
-                           head_fp32=head_fp32, tp_group=pg.tp)
+        lp = head_logprobs(mb, output, temperature=temperature, vocab_size=vocab_size, entropy=False, tp_group=pg.tp)
         return lp.sum(), torch.zeros((), dtype=torch.int, device=lp.device), \
             {"logprobs": lp.detach(), "gather_index": mb.gather_index}
 

@@ -32,11 +32,12 @@ def set_megatron_hooks(chunks, optimizer=None) -> None:
         config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
 
 
-def check_megatron_config(chunks, *, head: str = "logits") -> None:
+def check_megatron_config(chunks, *, head="logits") -> None:
     """Fail when the model/DDP config breaks the per-token loss contract this plugin relies on,
     or when a training-loop hook that megatron's schedules need is missing (ValueError), or when
     the installed megatron-core lacks a name the library uses (one ImportError line). head: the
-    step's loss.head (fused_grad refuses fp16)."""
+    step's step.head.Head, or its kind. fused_grad with fp16 is refused here, the one place: it
+    forms the gradients in forward, before the loss scale, so small ones would underflow."""
     from megatron.core.utils import get_model_config
 
     from ..mcore import require_names
@@ -57,7 +58,7 @@ def check_megatron_config(chunks, *, head: str = "logits") -> None:
         raise ValueError("the model config has no finalize_model_grads_func: megatron's schedules would skip "
                          "the data-parallel gradient all-reduce and the 1/num_tokens scaling of the per-token "
                          f"loss (Megatron-LM sets it only inside train()); {_HOW}")
-    if getattr(cfg, "fp16", False) and head == "fused_grad":
+    if getattr(cfg, "fp16", False) and getattr(head, "kind", head) == "fused_grad":
         raise ValueError("loss.head=fused_grad does not support fp16 (got TransformerConfig.fp16=True): it forms the "
                          "gradients in forward, before the loss scale, so small ones would underflow in fp16; "
                          "use bf16, or loss.head='fused'")

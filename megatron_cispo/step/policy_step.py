@@ -27,6 +27,7 @@ from ..losses import check_loss_config, required_inputs, valid_tokens
 from ..losses.registry import missing_input_message
 from .forward import check_megatron_config, compute_logprobs, forward_step_for, make_loss_func, run_schedule
 from .groups import default_groups, rank, size
+from .head import Head
 from .guard import (NONFINITE_CHECKS, check_advantages, has_grad_scaler, nonfinite_this_step, warn_skipped,
                     watch_loss, zero_grads)
 from .m2po import dp_shard_row_ids, step_selection
@@ -95,7 +96,7 @@ def policy_step(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_c
     an error: the loss drops those tokens and counts them in "policy/nonfinite_dropped".
     """
     pg = default_groups(pg_collection)
-    check_megatron_config(chunks, head=loss_cfg.head)
+    check_megatron_config(chunks, head=Head.of(loss_cfg))
     check_loss_config(loss_cfg)
     shape = check_batch(chunks, batch, loss_cfg, step_cfg, ref_chunks=ref_chunks, pg=pg)
     calls = [] if calls is None else calls
@@ -126,6 +127,7 @@ class StepShape:
     steps: int
     plan: OldPlan
     layout: Layout
+    head: Head
 
 
 def check_batch(chunks, batch: Rollouts, loss_cfg: LossConfig, step_cfg: StepConfig, *, ref_chunks, pg) -> StepShape:
@@ -163,7 +165,8 @@ def check_batch(chunks, batch: Rollouts, loss_cfg: LossConfig, step_cfg: StepCon
         if getattr(batch, name) is None and not produced:
             raise ValueError(f"rollouts.{name} is missing: {missing_input_message(loss_cfg, name)}")
     check_advantages(batch)
-    return StepShape(n=n, mini_local=mini_local, steps=steps, plan=plan, layout=step_layout(chunks, step_cfg, pg))
+    return StepShape(n=n, mini_local=mini_local, steps=steps, plan=plan, layout=step_layout(chunks, step_cfg, pg),
+                     head=Head.of(loss_cfg))
 
 
 def prepare_inputs(chunks, batch: Rollouts, loss_cfg: LossConfig, step_cfg: StepConfig, shape: StepShape, *,
@@ -171,7 +174,7 @@ def prepare_inputs(chunks, batch: Rollouts, loss_cfg: LossConfig, step_cfg: Step
     """The batch with pi_old and pi_ref filled in by forward-only passes where the plan needs them,
     and with correction.m2po the global keep mask [n, s] and its metrics (else None, {})."""
     score = partial(compute_logprobs, batch=batch, step_cfg=step_cfg, vocab_size=vocab_size, calls=calls,
-                    head=loss_cfg.head, head_fp32=loss_cfg.head_fp32, pg_collection=pg)
+                    head=shape.head, pg_collection=pg)
     if shape.plan == "pass":
         batch = batch.replace(old_logprobs=score(chunks))
     if "ref_logprobs" in required_inputs(loss_cfg) and batch.ref_logprobs is None:
@@ -220,9 +223,9 @@ def train(chunks, optimizer, batch: Rollouts, loss_cfg: LossConfig, step_cfg: St
     from megatron.core.utils import get_model_config
 
     seen: list = []
-    loss_func = make_loss_func(loss_cfg, temperature=step_cfg.temperature, vocab_size=vocab_size,
+    loss_func = make_loss_func(loss_cfg, temperature=step_cfg.temperature, vocab_size=vocab_size, head=shape.head,
                                old_from_current=shape.plan == "from_training_forward", pg_collection=pg)
-    forward_step = forward_step_for(watch_loss(loss_func, seen), calls, head=loss_cfg.head, moe=router_stats,
+    forward_step = forward_step_for(watch_loss(loss_func, seen), calls, head=shape.head, moe=router_stats,
                                     pg_collection=pg)
     build = partial(microbatches, loss_cfg=loss_cfg, step_cfg=step_cfg, layout=shape.layout,
                     dp_group=pg.dp)

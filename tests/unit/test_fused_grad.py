@@ -214,17 +214,30 @@ def test_bad_coef_fn_results_are_named(ret, match):
         fused_grad_logprobs(hidden, weight, t, ret, chunk_rows=5)
 
 
-def test_default_chunk_is_sized_from_the_shard_not_its_valid_columns(monkeypatch):
-    """Ranks of an uneven vocabulary hold different numbers of valid columns; chunks sized from
-    those would differ in count between ranks, and their per-chunk all-reduces would not match."""
-    from megatron_cispo import fused_grad
+def test_default_chunk_is_a_share_of_the_rows_the_same_whatever_the_valid_columns(monkeypatch):
+    """The default chunk comes from a memory budget of the logits shard (fused_head.default_chunk_rows):
+    a share of the rows. Chunks sized from a rank's valid columns would differ in count between the
+    ranks of an uneven vocabulary, and their per-chunk all-reduces would not match."""
+    from megatron_cispo import fused_head
 
-    monkeypatch.setattr(fused_grad, "_MIN_DEFAULT_CHUNK_ROWS", 1)
-    monkeypatch.setitem(fused_grad.CHUNK_BYTES, "cpu", 4 * V * 3)  # 3 rows of the whole shard
+    monkeypatch.setattr(fused_head, "MIN_CHUNK_ROWS", 1)
+    monkeypatch.setattr(fused_head, "SHARD_CHUNKS", 4)  # 12 fp32 rows: chunks of 3
     hidden, weight, t, mask, adv, anchor = _inputs(6, 2, torch.float32, vocab=V // 2)
     calls = []
     fused_grad_logprobs(hidden, weight, t, _coef_fn(adv, anchor, False, calls), mask=mask, vocab_size=V // 2)
     assert [c[:2] for c in calls] == [(r, r + 3) for r in range(0, 12, 3)]
+    calls = []  # a bf16 head's logits take half the bytes: chunks of 6 in the same budget
+    fused_grad_logprobs(hidden.bfloat16(), weight.bfloat16(), t, _coef_fn(adv, anchor, False, calls), mask=mask,
+                        vocab_size=V // 2)
+    assert [c[:2] for c in calls] == [(0, 6), (6, 12)]
+
+
+def test_default_chunk_rows_is_a_sixteenth_of_the_fp32_shard_at_least_128_rows():
+    from megatron_cispo.fused_head import default_chunk_rows
+
+    assert default_chunk_rows(2048, 4) == 128 and default_chunk_rows(8192, 4) == 512  # fp32 logits
+    assert default_chunk_rows(8192, 2) == 1024 and default_chunk_rows(8192, 8) == 256  # bf16; fp32 + entropy
+    assert default_chunk_rows(100, 4) == 128 and default_chunk_rows(32768, 4) == 2048
 
 
 @pytest.mark.parametrize("entropy", [False, True])
@@ -242,7 +255,7 @@ def test_fp16_with_a_gradient_is_refused_in_one_line():
     """fp16 gradients formed in forward, before the loss scale, would underflow: refused."""
     hidden, weight, t, mask, adv, anchor = _inputs(6, 2, torch.float32)
     for h, w in ((hidden.half().requires_grad_(), weight), (hidden, weight.half().requires_grad_())):
-        with pytest.raises(ValueError, match=r"expected bf16 or fp32 .*fp16 training .*loss.head='fused'"):
+        with pytest.raises(ValueError, match=r"expected bf16 or fp32 hidden states and weight where they need a gradient, found .*fused_token_logprobs"):
             fused_grad_logprobs(h, w, t, _coef_fn(adv, anchor, False, []), mask=mask,
                                 head_dtype=torch.float32)
 

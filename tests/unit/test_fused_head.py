@@ -188,3 +188,19 @@ def test_invalid_shapes_and_dtypes_are_rejected():
     t[2, 3] = V
     with pytest.raises(ValueError, match=rf"\[0, {V}\).*found {V} at position \(2, 3\)"):
         fused_token_logprobs(hidden, weight, t)
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+def test_default_chunk_holds_a_sixteenth_of_the_fp32_shard_entropy_counted(monkeypatch, entropy):
+    """The default chunk is a memory budget: 1/16 of the rows' fp32 logits (fused_head.default_chunk_rows),
+    halved with entropy, whose probabilities take a second fp32 block; the values are unchanged."""
+    from megatron_cispo import fused_head
+
+    monkeypatch.setattr(fused_head, "MIN_CHUNK_ROWS", 1)
+    monkeypatch.setattr(fused_head, "SHARD_CHUNKS", 2)  # 24 rows: chunks of 12, or 6 with entropy
+    seen = []
+    plan_targets = fused_head.plan_targets
+    monkeypatch.setattr(fused_head, "plan_targets", lambda *a, **k: seen.append(k["chunk_rows"]) or plan_targets(*a, **k))
+    hidden, weight, t = _inputs()
+    _compare(t, hidden, weight, entropy, 1e-5)
+    assert seen == [6 if entropy else 12]

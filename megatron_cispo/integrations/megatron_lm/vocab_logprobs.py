@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ...logprobs import IGNORE_INDEX
-from ...step.head import forward_with_head, score_output, unwrap
+from ...step.head import Head, forward_with_head, score_output, unwrap
 from .api import RL_UTILS, MegatronLMVersionError, known_refs, logprobs_features, original
 from .settings import logprob_temperature, loss_config
 
@@ -95,13 +95,13 @@ def get_logprobs(model, tokens, position_ids, no_grad=False, sequence_packing=Fa
     # Megatron-LM turns flash-decode off for training forwards; keep that behaviour.
     flash_decode = model.config.flash_decode
     _set_config(rl, model, "flash_decode", False)
-    head = loss_config()
+    head = Head.of(loss_config())
     # Megatron-LM's value (no fp32 upcast of the [b, s, v/tp] shard in a bf16/fp16 run), but only
     # where a Float16Module takes it: GPTModel.forward has no **kwargs.
     precision = {"fp32_output": not (args.fp16 or args.bf16)} if unwrap(model)[1] else {}
     try:
         with torch.no_grad() if no_grad else nullcontext():
-            output, fused = forward_with_head(model, head.head, inputs[0], inputs[1], None,
+            output, fused = forward_with_head(model, head, inputs[0], inputs[1], None,
                                               packed_seq_params=inputs[2], runtime_gather_output=False,
                                               **precision)
     finally:
@@ -118,7 +118,7 @@ def get_logprobs(model, tokens, position_ids, no_grad=False, sequence_packing=Fa
         # fused: output is the hidden states [b, s(/tp), h]; logits: their buffer takes the gradient
         # (the loop keeps only the logprobs), so no second [b, s, v/tp] shard at b=1.
         logprobs: Tensor = score_output(output, fused, targets, temperature=logprob_temperature(),
-                                        head_fp32=head.head_fp32, tp_group=pg_collection.tp)
+                                        tp_group=pg_collection.tp)
         if split:  # back to [b, s] in token order; the all-gather's backward sums the ranks' gradients
             parts = torch.distributed.nn.functional.all_gather(logprobs.contiguous(), group=scatter.cp_group)
             logprobs = torch.cat(parts, dim=1).index_select(1, scatter.inverse_gather_perm)
