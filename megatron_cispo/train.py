@@ -34,6 +34,7 @@ import time
 from .config import ConfigError
 from .integrations.plugins import PluginImportError, load_plugins
 from .runner.experiment import dump_yaml, load_experiment, resolve_world
+from .runner.memory_plan import check_fits, format_plan, memory_plan
 from .runner.rundir import check_run_dir
 
 EXIT_CONFIG = 2
@@ -106,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         load_plugins()  # MEGATRON_CISPO_PLUGINS may register the loss the config names
         cfg = load_experiment(args.config, args.overrides)
         dp = resolve_world(cfg, world)  # load_experiment already ran the config's rules
+        plan = memory_plan(cfg, world)
+        check_fits(cfg, plan)  # run.gpu_memory_gb: at --check and at start alike
         if args.check:  # what rank 0 would refuse at start-up, said before any rank starts
             check_run_dir(cfg.run.run_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite)
             _check_sources(cfg)
@@ -113,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         return _report(args.config, e)
     if args.check:
         print(dump_yaml(cfg), end="")
+        print(format_plan(plan, cfg), end="")
         p = cfg.parallelism
         extra = (f" x cp {p.cp}" if p.cp > 1 else "") + (f" (ep {p.ep})" if p.ep > 1 else "")
         print(f"# ok: {world} processes = tp {p.tp} x pp {p.pp} x dp {dp}{extra}")

@@ -152,8 +152,15 @@ class RunConfig:
         "fails the job. On gloo the rank that stopped answering is then named (exit code 4, within about twice "
         "this); on NCCL see docs/troubleshooting.md.")
 
+    gpu_memory_gb: Optional[float] = config_field(
+        None, "Memory of one GPU in GiB (80 for an H100 80GB): a recipe whose largest rank's estimate (the plan "
+        "`train --check` prints: runner/memory_plan.py) exceeds it is refused at --check and at start, naming "
+        "the largest part; null = no check.")
+
     def __post_init__(self) -> None:
         check_field_types(self)
+        if self.gpu_memory_gb is not None and not 0 < self.gpu_memory_gb < math.inf:
+            raise ValueError(f"run.gpu_memory_gb must be finite and > 0 (GiB), or null, got {self.gpu_memory_gb}")
         for name, low in (("steps", 0), ("log_interval", 1), ("checkpoint_interval", 0), ("eval_interval", 0),
                           ("checkpoint_keep", 1),
                           ("max_consecutive_skips", 0), ("dist_timeout_s", 1)):

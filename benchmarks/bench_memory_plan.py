@@ -1,0 +1,208 @@
+"""The memory plan (runner/memory_plan.py, what `train --check` prints) against torch's own accounting of
+the shipped CPU configs, per rank, through the real runner.
+
+    python benchmarks/bench_memory_plan.py                                # every CPU config (~10 min, 2 cores)
+    python benchmarks/bench_memory_plan.py --configs demo_cpu moe_cpu     # some of them
+
+Each config runs rollout.staleness + 2 steps under torchrun at the world size its header launches
+(runner.loop.run, as `train` runs it; no checkpoint, export or TensorBoard), inside torch.profiler with
+profile_memory=True: every CPU allocation and free torch's allocator makes, per rank, with its time. The
+live bytes over time are their running sum from before the model is built. Measured per rank, in the last
+step (the lagged versions and Adam's state are complete by then):
+- train: the peak of live bytes during policy_step (weights, gradients, optimizer state, activations, the
+  head's workspace, and what the sampler keeps: lagged versions, rank 0's in-process engine);
+- sync: the peak during the sampler's rollouts() (the weight stream into the engine, its buckets, generation);
+- static: the bytes of the parameters, megatron's gradient buffers and the optimizer's own tensors, summed
+  from the objects themselves after the step (unique storages).
+The plan's train figure is its resident parts + activations, its sync figure resident + weight-sync buckets +
+engine update. Also printed: the peak resident-set growth of the whole run (VmHWM minus VmRSS before the
+run), which counts only touched pages (a 256 MiB bucket that holds a 1 MiB model touches 1 MiB) plus what
+is not a tensor (gloo, megatron's set-up, Python objects). Not a test: nothing here is asserted.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+MIB = 2**20
+# config -> world size its header launches; the hf ones need their tiny model (made here when missing)
+CONFIGS = {"demo_cpu": 4, "cispo_old": 4, "cispo_rollout": 4, "cp2_cpu": 2, "moe_cpu": 2, "hf_qwen2_tiny": 4,
+           "hf_qwen3_moe_tiny": 2, "vllm_qwen2_tiny": 2}
+TINY = {"hf_qwen2_tiny": ("qwen2", "runs/models/tiny_qwen2"), "hf_qwen3_moe_tiny": ("qwen3_moe", "runs/models/tiny_qwen3_moe")}
+QUIET = ["run.checkpoint_interval=0", "run.export_hf=false", "run.tensorboard=false", "run.log_interval=1000",
+         "run.eval_interval=0"]
+
+
+def _status_kib(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def _storage_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        s = t.untyped_storage()
+        if s.data_ptr() not in seen:
+            seen.add(s.data_ptr())
+            total += s.nbytes()
+    return total
+
+
+def _static(chunks, optimizer) -> dict:
+    """Bytes of the parameters, the DDP gradient buffers, and the optimizer's own tensors (state, main copies)."""
+    import torch
+
+    params = [p for c in chunks for p in c.parameters()]
+    buffers = [b for c in chunks for b in (*c.buffers, *c.expert_parallel_buffers)]
+    grads = _storage_bytes([b.grad_data for b in buffers])
+    model = {p.untyped_storage().data_ptr() for p in params} | {b.grad_data.untyped_storage().data_ptr() for b in buffers}
+    own = []
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for st in sub.optimizer.state.values():
+            own += [v for v in st.values() if torch.is_tensor(v) and v.dim() > 0]
+        own += [p for g in sub.optimizer.param_groups for p in g["params"]]
+    own = [t for t in own if t.untyped_storage().data_ptr() not in model]
+    return {"weights": _storage_bytes(params), "gradients": grads, "optimizer state": _storage_bytes(own)}
+
+
+def worker(config: str, out: str, overrides: list[str]) -> None:
+    """One rank under torchrun: the run inside the profiler; writes out/rank<r>.json."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_cispo import step as step_pkg
+    from megatron_cispo.rollout.prompt_sampler import PromptSampler
+    from megatron_cispo.rollout.task_sampler import TaskSampler
+    from megatron_cispo.runner import model as model_mod
+    from megatron_cispo.runner.experiment import load_experiment
+    from megatron_cispo.runner.loop import run
+
+    cfg = load_experiment(ROOT / "yaml_configs" / f"{config}.yaml", overrides)
+    windows, held, static = [], {}, {}
+
+    def timed(label, fn):
+        def wrapped(*a, **k):
+            gc.collect()  # the previous step's autograd cycles: unreachable, freed late by Python's collector
+            t0 = time.time_ns()
+            try:
+                return fn(*a, **k)
+            finally:
+                windows.append((label, t0, time.time_ns()))
+        return wrapped
+
+    def keep(name, fn):
+        def wrapped(*a, **k):
+            held[name] = fn(*a, **k)
+            return held[name]
+        return wrapped
+
+    policy_step = step_pkg.policy_step
+
+    def stepped(*a, **k):
+        res = timed("train", policy_step)(*a, **k)
+        static.update(_static(held["chunks"], held["optimizer"]))
+        return res
+
+    step_pkg.policy_step = stepped
+    model_mod.build_model = keep("chunks", model_mod.build_model)
+    model_mod.build_optimizer = keep("optimizer", model_mod.build_optimizer)
+    for cls in (TaskSampler, PromptSampler):
+        cls.rollouts = timed("sync", cls.rollouts)
+    rss0 = _status_kib("VmRSS")
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run(cfg)
+    hwm = _status_kib("VmHWM")
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and str(e.device_type()).endswith("CPU"))
+    live, timeline = 0, []
+    for t, n in events:
+        live += n
+        timeline.append((t, live))
+
+    def peak(label):  # the last window of that kind: the last step's
+        _, t0, t1 = [w for w in windows if w[0] == label][-1]
+        before = [v for t, v in timeline if t < t0][-1:] or [0]
+        return max([v for t, v in timeline if t0 <= t <= t1] + before)
+
+    rank = int(os.environ["RANK"])
+    result = {"rank": rank, "train": peak("train"), "sync": peak("sync"), "whole": max(v for _, v in timeline),
+              "static": static, "rss_growth": (hwm - rss0) * 1024}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def measure(config: str, world: int, extra: list[str]) -> list[dict]:
+    from megatron_cispo.runner.experiment import load_experiment
+
+    steps = load_experiment(ROOT / "yaml_configs" / f"{config}.yaml", extra).rollout.staleness + 2
+    with tempfile.TemporaryDirectory(prefix="bench_memory_plan_") as tmp:
+        overrides = [*QUIET, f"run.steps={steps}", f"run.run_dir={tmp}/run", *extra]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RUN_DIR": f"{tmp}/run"}
+        cmd = [str(ROOT / ".venv/bin/torchrun"), "--standalone", "--nproc-per-node", str(world),
+               __file__, "--worker", config, "--out", tmp, *overrides]
+        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"{config}: torchrun exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+        return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _make_tiny(config: str) -> None:
+    family, path = TINY[config]
+    if not (ROOT / path / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "megatron_cispo.tools.make_tiny_hf", "--family", family, path],
+                       cwd=ROOT, check=True, capture_output=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args, overrides = ap.parse_known_args(argv)
+    if args.worker:
+        worker(args.worker, args.out, overrides)
+        return 0
+    from megatron_cispo.runner.experiment import load_experiment
+    from megatron_cispo.runner.memory_plan import PHASE, memory_plan
+
+    print("| config | ranks | part | predicted MiB | measured MiB | measured / predicted |")
+    print("|---|---|---|---:|---:|---:|")
+    for config in args.configs:
+        if config in TINY:
+            _make_tiny(config)
+        world = CONFIGS[config]
+        try:
+            measured = measure(config, world, overrides)
+        except RuntimeError as e:
+            print(f"| {config} | - | not run: {str(e).splitlines()[0]} | | | |")
+            continue
+        cfg = load_experiment(ROOT / "yaml_configs" / f"{config}.yaml", overrides)
+        for g in memory_plan(cfg, world, device="cpu"):
+            by = {ph: sum(v for k, v in g.parts.items() if PHASE[k] == ph) for ph in ("resident", "train", "sync")}
+            rows = [(k, g.parts[k], [m["static"][k] for m in measured if m["rank"] in g.ranks])
+                    for k in ("weights", "gradients", "optimizer state")]
+            rows += [("train peak", by["resident"] + by["train"], [m["train"] for m in measured if m["rank"] in g.ranks]),
+                     ("sync peak", by["resident"] + by["sync"], [m["sync"] for m in measured if m["rank"] in g.ranks]),
+                     ("whole run", g.total, [m["whole"] for m in measured if m["rank"] in g.ranks]),
+                     ("RSS growth", g.total, [m["rss_growth"] for m in measured if m["rank"] in g.ranks])]
+            for part, want, got in rows:
+                lo, hi = min(got), max(got)
+                span = f"{lo / MIB:.3f}" if hi - lo < 0.0005 * MIB else f"{lo / MIB:.3f}-{hi / MIB:.3f}"
+                ratio = f"{lo / want:.3f}" + ("" if hi == lo else f"-{hi / want:.3f}") if want else "-"
+                ranks = ",".join(map(str, g.ranks))
+                print(f"| {config} | {ranks} | {part} | {want / MIB:.3f} | {span} | {ratio} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
