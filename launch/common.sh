@@ -47,6 +47,11 @@ check_launch_env() {
       RDZV_TIMEOUT)
         _uint_in "$value" 1 $max || launch_fail RDZV_TIMEOUT "$value" "a positive integer (seconds to wait for every node to join)" ;;
       RDZV) [ "$value" = c10d ] || launch_fail RDZV "$value" "empty (static rendezvous, the default) or c10d" ;;
+      ENGINE_GPUS_PER_NODE)
+        _uint_in "$value" 0 $max || launch_fail ENGINE_GPUS_PER_NODE "$value" "a non-negative integer (each node's GPUs for Ray's engines)" ;;
+      RAY_PORT) _uint_in "$value" 1 65535 || launch_fail RAY_PORT "$value" "an integer in 1..65535 (the Ray head's port)" ;;
+      RAY_START_TIMEOUT)
+        _uint_in "$value" 1 $max || launch_fail RAY_START_TIMEOUT "$value" "a positive integer (seconds to wait for the Ray head)" ;;
       *) echo "check_launch_env: no rule for $name" >&2; exit 70 ;;  # a bug in the launch scripts
     esac
     # "08" is valid but would break later arithmetic: store integers in plain decimal

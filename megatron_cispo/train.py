@@ -90,14 +90,19 @@ def _world_size(flag: int | None) -> int:
     return world
 
 
-def _check_sources(cfg) -> None:
-    """--check: vLLM installed, data.prompts readable, data.reward importable (rollout.engine: vllm)."""
+def _check_sources(cfg) -> str:
+    """--check: vLLM installed, data.prompts readable, data.reward importable (rollout.engine: vllm). Returns
+    what it could not check, as a comment line ("" when everything was)."""
     from .rollout.prompt_sources import check_sources
 
     try:
-        check_sources(cfg)
+        sources = check_sources(cfg, untokenized=True)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if sources is None and cfg.data.prompts is not None:
+        return (f"# not checked: the prompts' tokenization, their lengths in tokens and the chat template (model.hf_path={cfg.model.hf_path} has no tokenizer "
+                "files); the run checks them at start\n")
+    return ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,12 +116,12 @@ def main(argv: list[str] | None = None) -> int:
         check_fits(cfg, plan)  # run.gpu_memory_gb: at --check and at start alike
         if args.check:  # what rank 0 would refuse at start-up, said before any rank starts
             check_run_dir(cfg.run.run_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite)
-            _check_sources(cfg)
+            unchecked = _check_sources(cfg)
     except (ConfigError, PluginImportError) as e:
         return _report(args.config, e)
     if args.check:
         print(dump_yaml(cfg), end="")
-        print(format_plan(plan, cfg), end="")
+        print(format_plan(plan, cfg) + unchecked, end="")
         p = cfg.parallelism
         extra = (f" x cp {p.cp}" if p.cp > 1 else "") + (f" (ep {p.ep})" if p.ep > 1 else "")
         print(f"# ok: {world} processes = tp {p.tp} x pp {p.pp} x dp {dp}{extra}")

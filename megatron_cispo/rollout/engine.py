@@ -97,6 +97,8 @@ class EngineSpec:
     options: the rollout.<options> key of its own settings, passed through (None: it takes none).
     check: "module:function", check(cfg) -> None or one line: what the engine itself refuses at --check
     (installed? can it serve this model here?), before any rank starts.
+    max_params: the largest model it serves (parameters), with the reason (max_params_why); a larger
+    model.hf_path is refused where the config is read, in one line naming both.
     """
 
     name: str
@@ -110,6 +112,8 @@ class EngineSpec:
     replicas: bool = False
     options: Optional[str] = None
     check: Optional[str] = None
+    max_params: Optional[float] = None
+    max_params_why: str = ""
 
     def open(self, start: EngineStart) -> Engine:
         module, _, fn = self.opener.partition(":")
@@ -132,6 +136,14 @@ class EngineSpec:
 ENGINES: dict[str, EngineSpec] = {}
 
 
+def runs_on_cuda(cfg) -> bool:
+    """Whether experiment `cfg` runs on CUDA GPUs: a Transformer Engine recipe (TE runs on CUDA only), or
+    CUDA here. --check of a GPU recipe on a CPU login node then judges it for the GPUs it will run on."""
+    import torch
+
+    return cfg.model.transformer_impl == "te" or torch.cuda.is_available()
+
+
 def register_engine(spec: EngineSpec) -> EngineSpec:
     if spec.names not in ("hf", "megatron"):
         raise ValueError(f"engine {spec.name!r}: names must be 'hf' or 'megatron', got {spec.names!r}")
@@ -149,8 +161,12 @@ def engine_spec(name: str) -> EngineSpec:
 
 register_engine(EngineSpec("torch", "megatron_cispo.rollout.torch_engine:open_engine", hf_model=False,
                            prompt_files=False, overlaps=False, routes=True, names="megatron"))
+# The hf engine is for checking a family end to end, not for serving: measured by the memory plan
+# (runner/memory_plan.py, docs/launch.md), an 8B model's push alone needs 30.5 GiB on rank 0 beside its trainer.
 register_engine(EngineSpec("hf", "megatron_cispo.rollout.hf_engine:open_engine", hf_model=True,
-                           prompt_files=False, overlaps=False, routes=True))
+                           prompt_files=False, overlaps=False, routes=True, max_params=4e9,
+                           max_params_why="it gathers the whole model on rank 0 at every weight push, rebuilds "
+                           "transformers' copy of it there and generates without a paged KV cache"))
 register_engine(EngineSpec("vllm", "megatron_cispo.rollout.vllm_engine:open_engine", hf_model=True,
                            prompt_files=True, overlaps=True, routes=False, disk=True, replicas=True, options="vllm",
                            check="megatron_cispo.rollout.vllm_engine:start_problem"))

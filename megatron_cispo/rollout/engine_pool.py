@@ -1,31 +1,42 @@
 """rollout.engines: N replicas of an engine behind the one protocol (engine.py): every weight push reaches
 all of them, each step's prompts are split across them.
 
-    pool = EnginePool([open_engine(start_0), open_engine(start_1)])
+    pool = open_pool(lambda k: open_engine(start_k), 2, on_death="restart")   # local child processes
     pool.update_weights(buckets, manifest=..., bucket_bytes=n)   # each bucket to every replica, all or nothing
     out = pool.generate(prompts, sampling)                       # replica k samples its share, in parallel
 
-A push begins an update on every replica, hands each bucket to each in turn (the stream is read once)
-and finishes them all; a stream that fails partway aborts the update everywhere, so no replica is left
-on a mix. generate() gives replica k a contiguous share of the prompts with their own seeds (sample j of
-prompt i is keyed by seeds[i] + j wherever it runs), so the batch is the one a single engine makes, and
-runs the shares on threads (each replica is its own process; the calls wait on pipes). A replica that
-fails or dies fails the call with its own one-line error, naming it: the run stops there (RolloutFailed).
+A push begins an update on every replica, hands each bucket to each in turn (the stream is read once;
+`stage` makes a bucket shareable once for all of them: Ray's ray.put, ray_engines.py) and finishes them
+all; a stream that fails partway aborts the update everywhere, so no replica is left on a mix.
+generate() gives replica k a contiguous share of the prompts with their own seeds (sample j of prompt i
+is keyed by seeds[i] + j wherever it runs), so the batch is the one a single engine makes, and runs the
+shares on threads (each replica is its own process; the calls wait on pipes or on Ray).
+
+A replica that fails or dies (rollout.on_engine_death):
+  stop    the call fails with the replica's own one-line error, naming it: the run stops there.
+  restart a dead replica is replaced by a fresh one (opened in the calling thread), which gets the last
+          complete push again (the pool keeps its staged buckets: a host copy of the weights, or Ray's
+          object refs) and then the failed call's share; a second failure of the same call stops the run.
+          A replica that refused a call but is alive still stops it (a fresh one would refuse it too).
 """
 from __future__ import annotations
 
 import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable
+from typing import Callable, Iterable, Literal, Optional
 
+from ..base.console import say
 from .engine import Completion, Sampling
 
+OnDeath = Literal["stop", "restart"]
 
-def open_pool(open_one, n: int) -> "EnginePool":
+
+def open_pool(open_one, n: int, **kw) -> "EnginePool":
     """n replicas, open_one(k) -> replica k, started one after another in the calling thread: a replica's
     process gets SIGKILL when the thread that started it ends (child.py's parent-death signal follows the
-    thread), so no short-lived thread may start one. If one fails to start, the others are closed."""
+    thread), so no short-lived thread may start one. If one fails to start, the others are closed.
+    kw: EnginePool's (on_death, stage, after_close); open_one also restarts a replica."""
     engines = []
     try:
         for k in range(n):
@@ -33,32 +44,71 @@ def open_pool(open_one, n: int) -> "EnginePool":
     except Exception as err:
         for e in engines:
             e.close()
+        if kw.get("after_close"):
+            kw["after_close"]()
         raise RuntimeError(f"engine replica {len(engines)}: {err}") from err
-    return EnginePool(engines)
+    return EnginePool(engines, reopen=open_one, **kw)
+
+
+def host_copy(bucket):
+    """A bucket whose bytes outlive the stream (its data is reused for the next bucket): on the host."""
+    return dataclasses.replace(bucket, data=bucket.data.detach().to("cpu", copy=True))
+
+
+def _alive(engine) -> bool:
+    """Whether a replica that raised can still serve (an engine without alive() is taken as dead)."""
+    alive = getattr(engine, "alive", None)
+    return bool(alive()) if alive is not None else False
 
 
 class EnginePool:
-    def __init__(self, engines: list):
+    def __init__(self, engines: list, *, reopen: Optional[Callable[[int], object]] = None, on_death: OnDeath = "stop",
+                 stage: Optional[Callable] = None, after_close: Optional[Callable[[], None]] = None):
+        """reopen(k): a fresh replica k (on_death=restart). stage(bucket) -> what every replica's add_bucket
+        gets (default: the bucket itself; with restart a host copy, kept until the next push completes).
+        after_close: run once after the replicas are closed (Ray: the placement group removed)."""
         if not engines:
             raise ValueError("an engine pool needs at least one engine")
+        if on_death not in ("stop", "restart"):
+            raise ValueError(f"on_death must be 'stop' or 'restart', got {on_death!r}")
+        if on_death == "restart" and reopen is None:
+            raise ValueError("on_death='restart' needs reopen(k), which opens a fresh replica k")
         self.engines = list(engines)
         self.served = [0] * len(self.engines)  # prompts each replica has generated, for the metrics
+        self.restarts = [0] * len(self.engines)  # fresh replicas started in place of dead ones
         self.start_seconds = sum(getattr(e, "start_seconds", 0.0) for e in self.engines)
+        self.on_death, self._reopen, self._after_close = on_death, reopen, after_close
+        self._stage = stage or (host_copy if on_death == "restart" else (lambda b: b))
+        self._last: Optional[tuple] = None  # restart: (manifest, bucket_bytes, staged buckets) of the last push
         self._threads = ThreadPoolExecutor(max_workers=len(self.engines), thread_name_prefix="cispo-engine")
 
     def update_weights(self, buckets: Iterable, *, manifest: dict, bucket_bytes: int) -> dict:
         t0, nbytes, count, at = time.perf_counter(), 0, 0, None
-        try:
+        dead: dict[int, Exception] = {}  # restart: replicas that died in this push, replaced after it
+        keep = [] if self.on_death == "restart" else None
+
+        def each(call) -> None:
+            nonlocal at
             for at, e in enumerate(self.engines):
-                e.begin_update(manifest, bucket_bytes)
+                if at in dead:
+                    continue
+                try:
+                    call(e)
+                except Exception as err:
+                    if self.on_death != "restart" or _alive(e):
+                        raise
+                    dead[at] = err
             at = None  # a failure of the stream itself names no replica
+
+        try:
+            each(lambda e: e.begin_update(manifest, bucket_bytes))
             for bucket in buckets:
-                for at, e in enumerate(self.engines):
-                    e.add_bucket(bucket, count)
-                at = None
+                item = self._stage(bucket)
+                if keep is not None:
+                    keep.append(item)
+                each(lambda e: e.add_bucket(item, count))
                 nbytes, count = nbytes + bucket.data.numel(), count + 1
-            for at, e in enumerate(self.engines):
-                e.finish_update()
+            each(lambda e: e.finish_update())
         except BaseException as err:
             for e in self.engines:  # the replicas not finished keep their previous weights
                 try:
@@ -68,6 +118,10 @@ class EnginePool:
             if at is None or not isinstance(err, Exception):
                 raise
             raise RuntimeError(f"engine replica {at}: {err}") from err
+        if keep is not None:
+            self._last = (manifest, bucket_bytes, keep)
+        for k, err in dead.items():  # they get this push, now complete
+            self._restart(k, err, "a weight push")
         return {"sync/seconds": time.perf_counter() - t0, "sync/bytes": float(nbytes), "sync/buckets": float(count)}
 
     def shares(self, n: int) -> list[range]:
@@ -85,21 +139,53 @@ class EnginePool:
         for i, share in enumerate(self.shares(len(prompts))):
             if len(share):
                 part = dataclasses.replace(sampling, seeds=[sampling.seeds[j] for j in share])
-                jobs.append((i, share, self._threads.submit(self.engines[i].generate, [prompts[j] for j in share], part)))
+                mine = [prompts[j] for j in share]
+                jobs.append((i, share, mine, part, self._threads.submit(self.engines[i].generate, mine, part)))
         out: list = [None] * len(prompts)
-        for i, share, job in jobs:
+        for i, share, mine, part, job in jobs:
             try:
                 got = job.result()
             except Exception as err:
-                raise RuntimeError(f"engine replica {i}: {err}") from err
+                if self.on_death != "restart" or _alive(self.engines[i]):
+                    raise RuntimeError(f"engine replica {i}: {err}") from err
+                self._restart(i, err, f"generating {len(share)} prompts")
+                try:
+                    got = self.engines[i].generate(mine, part)
+                except Exception as again:
+                    raise RuntimeError(f"engine replica {i}: restarted after it died, its retry of {len(share)} "
+                                       f"prompts failed too: {again}") from again
             self.served[i] += len(share)
             for j, completions in zip(share, got):
                 out[j] = completions
         return out
 
+    def _restart(self, k: int, err: Exception, what: str) -> None:
+        """rollout.on_engine_death=restart: replica k died in `what`; a fresh one, on the last complete push."""
+        say(f"engine replica {k} died in {what} ({err}); restarting it on the current weights "
+            "(rollout.on_engine_death: restart)")
+        try:
+            self.engines[k].close()
+        except Exception:  # noqa: BLE001 - it is dead; what matters is the fresh one
+            pass
+        try:
+            fresh = self._reopen(k)
+            self.engines[k] = fresh
+            if self._last is not None:
+                manifest, bucket_bytes, staged = self._last
+                fresh.begin_update(manifest, bucket_bytes)
+                for i, item in enumerate(staged):
+                    fresh.add_bucket(item, i)
+                fresh.finish_update()
+        except Exception as again:
+            raise RuntimeError(f"engine replica {k}: died ({err}) and its restart failed: {again}") from again
+        self.restarts[k] += 1
+
     def info(self) -> dict:
-        """rollout/engine<k>_prompts: the prompts each replica has served so far."""
-        return {f"rollout/engine{i}_prompts": float(n) for i, n in enumerate(self.served)}
+        """rollout/engine<k>_prompts: the prompts each replica has served so far; rollout/engine_restarts:
+        the replicas restarted so far (rollout.on_engine_death: restart)."""
+        out = {f"rollout/engine{i}_prompts": float(n) for i, n in enumerate(self.served)}
+        out["rollout/engine_restarts"] = float(sum(self.restarts))
+        return out
 
     def kill(self) -> None:
         for e in self.engines:
@@ -109,3 +195,6 @@ class EnginePool:
         for e in self.engines:
             e.close()
         self._threads.shutdown(wait=False)
+        after, self._after_close = self._after_close, None
+        if after is not None:
+            after()

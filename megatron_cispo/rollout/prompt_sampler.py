@@ -119,11 +119,20 @@ class PromptSampler(EngineWeights, PromptAsync, PromptEval, Sampler):
                             max_model_len=engine_len(r.vllm, self.model_cfg.seq_length),
                             kept_sets=r.top_k > 0 or r.top_p < 1, log_path=str(self.log),
                             start_timeout_s=self.limit_s / 2, call_timeout_s=self.limit_s / 2, options=options)
-        if stream and r.engines > 1:  # replica k logs to vllm.<k>.log beside vllm.log (replica 0)
-            from .engine_pool import open_pool
-
+        if stream and r.pooled:  # replica k logs to vllm.<k>.log beside vllm.log (replica 0)
             log = lambda k: start.log_path if k == 0 else str(self.log.with_name(f"vllm.{k}.log"))  # noqa: E731
-            self.engine_ = open_pool(lambda k: engine_spec(r.engine).open(replace(start, log_path=log(k))), r.engines)
+            start_of = lambda k: replace(start, log_path=log(k))  # noqa: E731
+            spec = engine_spec(r.engine)
+            if r.placement == "ray":  # GPU bundles where the trainer has CUDA: the engines need GPUs there too
+                from .ray_engines import open_ray_pool
+
+                gpus = int(r.vllm.get("tensor_parallel_size", 1)) if torch.cuda.is_available() else 0
+                self.engine_ = open_ray_pool(spec, start_of, r.engines, address=r.ray_address, gpus_per_engine=gpus,
+                                             on_death=r.on_engine_death, timeout_s=start.start_timeout_s)
+            else:
+                from .engine_pool import open_pool
+
+                self.engine_ = open_pool(lambda k: spec.open(start_of(k)), r.engines, on_death=r.on_engine_death)
         elif stream:
             self.engine_ = engine_spec(r.engine).open(start)
         else:

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from ..kept_set import KeptSet
-from .prompts import PromptStream
+from .prompts import PromptStream, has_tokenizer, read_prompts
 from .vllm_options import prompt_limit
 from .sampler import PAD, Batch
 from .task import group_advantages
@@ -59,19 +59,22 @@ def open_prompts(cfg, held_out: bool = False) -> PromptStream:
                         setting="data.eval_prompts" if held_out else "data.prompts")
 
 
-def _held_out(train: PromptStream, held: PromptStream) -> None:
+def _held_out(train_texts: list[str], held_texts: list[str], held_path) -> None:
     """ValueError (one line) naming the first held-out prompt that is also a training prompt."""
-    seen = set(train.texts)
-    for i, text in enumerate(held.texts):
+    seen = set(train_texts)
+    for i, text in enumerate(held_texts):
         if text in seen:
-            raise ValueError(f"data.eval_prompts={held.path}: row {i} ({text[:40]!r}) is also in data.prompts: "
+            raise ValueError(f"data.eval_prompts={held_path}: row {i} ({text[:40]!r}) is also in data.prompts: "
                              "held-out prompts must never be trained on; remove it from one of the files")
 
 
-def check_sources(cfg) -> Optional[Sources]:
+def check_sources(cfg, *, untokenized: bool = False) -> Optional[Sources]:
     """ValueError (one line) for what data.prompts, data.eval_prompts, data.reward and rollout.engine=vllm
-    need and lack: vLLM not installed, the prompt files, their rows, a held-out prompt also trained on,
-    the reward's import. Before any rank starts. Returns what it read (None without data.prompts)."""
+    need and lack: vLLM not installed, Ray (rollout.placement: ray) not installed or no cluster at its
+    address, the prompt files, their rows, a held-out prompt also trained on, the reward's import. Before
+    any rank starts. Returns what it read (None without data.prompts). untokenized (--check): a
+    model.hf_path without tokenizer files (a config-only directory) checks the rows but not their lengths
+    in tokens, and returns None; otherwise it is refused."""
     from .engine import engine_spec
 
     spec = engine_spec(cfg.rollout.engine)
@@ -79,15 +82,25 @@ def check_sources(cfg) -> Optional[Sources]:
         return None
     from .rewards import load_reward
 
-    stream = open_prompts(cfg)
-    held = open_prompts(cfg, held_out=True) if cfg.data.eval_prompts else None
-    if held is not None:
-        _held_out(stream, held)
-    new = cfg.rollout.max_new_tokens  # the trainer reads prompt + new - 1 tokens of a row
-    cfg.parallelism.check_row_fits(stream.max_len + new - 1,
-                                   f"the longest row ({stream.max_len} prompt + {new} new - 1)")
-    load_reward(cfg.data.reward)
-    problem = spec.problem(cfg)
+    d, sources = cfg.data, None
+    if untokenized and not has_tokenizer(cfg.model.hf_path):
+        texts = read_prompts(Path(d.prompts).absolute(), d.split, d.prompt_key)[1]
+        if d.eval_prompts:
+            path = Path(d.eval_prompts).absolute()
+            _held_out(texts, read_prompts(path, "train", d.prompt_key, "data.eval_prompts")[1], path)
+    else:
+        stream = open_prompts(cfg)
+        held = open_prompts(cfg, held_out=True) if d.eval_prompts else None
+        if held is not None:
+            _held_out(stream.texts, held.texts, held.path)
+        new = cfg.rollout.max_new_tokens  # the trainer reads prompt + new - 1 tokens of a row
+        cfg.parallelism.check_row_fits(stream.max_len + new - 1,
+                                       f"the longest row ({stream.max_len} prompt + {new} new - 1)")
+        sources = Sources(stream, held)
+    load_reward(d.reward)
+    from .ray_engines import placement_problem
+
+    problem = spec.problem(cfg) or placement_problem(cfg.rollout)
     if cfg.rollout.sync == "stream":
         from .weight_stream import bucket_problem
 
@@ -95,7 +108,7 @@ def check_sources(cfg) -> Optional[Sources]:
             cfg.model.arch, cfg.rollout.sync_bucket_mb, tp=cfg.parallelism.tp)
     if problem:
         raise ValueError(problem)
-    return Sources(stream, held)
+    return sources
 
 
 def eos_ids(model_dir: str) -> list[int]:

@@ -80,6 +80,33 @@ def _read_split(path: Path, split: str, setting: str = "data.prompts"):
     return splits[split]
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # what transformers' tokenizers load
+
+
+def has_tokenizer(model_dir) -> bool:
+    """Whether an HF model directory carries its tokenizer (a config-only directory, as the GPU recipes
+    ship for --check, does not)."""
+    return any((Path(model_dir) / f).is_file() for f in TOKENIZER_FILES)
+
+
+def read_prompts(path: Path, split: str, prompt_key: str, setting: str = "data.prompts"):
+    """(rows, their prompt texts) of one split; ValueError (one line) for an empty split, a missing
+    prompt field or a prompt that is not a string."""
+    rows = _read_split(path, split, setting)
+    where = f"{setting}={path} (split {split!r})"
+    if len(rows) == 0:
+        raise ValueError(f"{where}: the split has no rows; give a file with at least one prompt")
+    if prompt_key not in rows.column_names:
+        raise ValueError(f"{where}: no field {prompt_key!r} (data.prompt_key); the fields are "
+                         f"{', '.join(rows.column_names)}")
+    texts = list(rows[prompt_key])  # datasets 5 returns a lazy Column
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise ValueError(f"{where}: row {i}: field {prompt_key!r} is {type(text).__name__} "
+                             f"{str(text)[:40]!r}, not a string; write every prompt as a string")
+    return rows, texts
+
+
 class PromptStream:
     """Prompts of one split of `path`, tokenized with the tokenizer at `tokenizer_path`; every row's
     tokens are computed at construction, so a bad row is refused before the first step."""
@@ -92,18 +119,12 @@ class PromptStream:
         from transformers import AutoTokenizer
 
         self.path, self.seed = Path(path).absolute(), seed
-        rows = _read_split(self.path, split, setting)
+        rows, texts = read_prompts(self.path, split, prompt_key, setting)
         where = f"{setting}={self.path} (split {split!r})"
-        if len(rows) == 0:
-            raise ValueError(f"{where}: the split has no rows; give a file with at least one prompt")
-        if prompt_key not in rows.column_names:
-            raise ValueError(f"{where}: no field {prompt_key!r} (data.prompt_key); the fields are "
-                             f"{', '.join(rows.column_names)}")
-        texts = list(rows[prompt_key])  # datasets 5 returns a lazy Column
-        for i, text in enumerate(texts):
-            if not isinstance(text, str):
-                raise ValueError(f"{where}: row {i}: field {prompt_key!r} is {type(text).__name__} "
-                                 f"{str(text)[:40]!r}, not a string; write every prompt as a string")
+        if not has_tokenizer(tokenizer_path):
+            raise ValueError(f"{setting}: model.hf_path={tokenizer_path} has no tokenizer (none of "
+                             f"{', '.join(TOKENIZER_FILES)}), so the prompts cannot be tokenized; point model.hf_path "
+                             "(HF_MODEL) at the model's whole directory")
         self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
         if chat_template:
             if not getattr(self.tokenizer, "chat_template", None):

@@ -28,7 +28,7 @@ from typing import Iterable
 import torch
 
 from .child import recv, send, start
-from .engine import Completion, EngineStart, Sampling  # noqa: F401 - Completion: callers import it from here
+from .engine import Completion, EngineStart, Sampling, runs_on_cuda  # noqa: F401 - Completion: callers import it from here
 
 PRECISIONS = {"fp32": "float32", "bf16": "bfloat16"}
 CALL_TIMEOUT_S = 3600.0  # generous: a hung child must end as an error, never hang the trainer
@@ -76,7 +76,7 @@ def cpu_model_problem(arch, *, cuda: bool) -> str | None:
 
 def start_problem(cfg) -> str | None:
     """rollout.engine=vllm's own refusals at --check: vLLM not installed, a model its build cannot serve."""
-    return vllm_missing() or cpu_model_problem(cfg.model.arch, cuda=torch.cuda.is_available())
+    return vllm_missing() or cpu_model_problem(cfg.model.arch, cuda=runs_on_cuda(cfg))
 
 
 def _last_error(log: Path) -> str:
@@ -231,6 +231,11 @@ class VLLMEngine:
                          "see the log")
         self.last_generate_seconds = time.perf_counter() - t0
         return [[Completion(*c) for c in samples] for samples in out]
+
+    def alive(self) -> bool:
+        """Whether the child still runs and the engine is open (a fatal failure closed it)."""
+        proc = self.proc
+        return proc is not None and proc.poll() is None
 
     def kill(self) -> None:
         """SIGKILL the child's session from any thread, and nothing else: a call waiting on it (another

@@ -54,8 +54,21 @@ class RolloutConfig:
     engines: int = config_field(
         1, "Engine replicas (rollout.engine: vllm): every weight push reaches all of them and each step's prompts "
         "are split across them (rollout/engine_pool.py); the batch is the one a single engine makes.")
-    placement: Literal["local"] = config_field(
-        "local", "Where the replicas run: local = child processes beside rank 0 (Ray placement is not built yet).")
+    placement: Literal["local", "ray"] = config_field(
+        "local", "Where the replicas run: local = child processes beside rank 0; ray = Ray actors in the existing "
+        "Ray cluster at rollout.ray_address, in one placement group of rollout.engines bundles (on GPU each "
+        "{GPU: rollout.vllm tensor_parallel_size, CPU: 1}, placed on the GPUs Ray was started with, which "
+        "launch/slurm_ray.sbatch keeps apart from the trainer's; on CPU {CPU: 1}); needs the [ray] extra "
+        "(rollout/ray_engines.py).")
+    ray_address: str = config_field(
+        "auto", "rollout.placement=ray: the Ray cluster to join (ray.init(address=...)), HOST:PORT of its head; "
+        "auto = $RAY_ADDRESS, else the cluster `ray start --head` started on rank 0's node. Checked at --check.")
+    on_engine_death: Literal["stop", "restart"] = config_field(
+        "stop", "An engine replica whose process dies (rollout.engine: vllm, rollout.sync: stream): stop = the run "
+        "stops with one line naming the replica; restart = a fresh replica is started in its place, gets the "
+        "current weights again (the pool keeps the last push: a host copy of the weights on rank 0, or Ray's "
+        "object store) and retries the failed call's share; a second failure of that call stops the run "
+        "(rollout/engine_restarts counts them).")
     mode: Literal["sync", "async"] = config_field(
         "sync", "sync = the engine samples step t's batch when the trainer asks, with policy version max(0, t - "
         "staleness): an exact, reproducible lag (tests, the demo table). async = rollout.engine=vllm generates the "
@@ -123,6 +136,15 @@ class RolloutConfig:
         if self.engines > 1 and not spec.replicas:
             raise ValueError(f"rollout.engines={self.engines}: the {self.engine!r} engine runs inside the trainer's "
                              "process, one copy; replicas are engines in their own processes (rollout.engine: vllm)")
+        wants_pool = [k for k, on in (("placement='ray'", self.placement == "ray"),
+                                      ("on_engine_death='restart'", self.on_engine_death == "restart")) if on]
+        if wants_pool and not spec.replicas:
+            raise ValueError(f"rollout.{wants_pool[0]} runs engines in their own processes, which the "
+                             f"{self.engine!r} engine is not (it runs inside the trainer's process): use "
+                             "rollout.engine: vllm")
+        if wants_pool and self.sync != "stream":
+            raise ValueError(f"rollout.{wants_pool[0]} pushes the weights to each replica in buckets: it needs "
+                             f"rollout.sync: stream, got {self.sync!r}")
         if self.engines > 1 and self.sync != "stream":
             raise ValueError(f"rollout.engines={self.engines} pushes each version to every replica in buckets: it "
                              f"needs rollout.sync: stream, got {self.sync!r}")
@@ -139,6 +161,11 @@ class RolloutConfig:
             raise ValueError(f"rollout.credit='token' needs rollout.reward='per_position', got {self.reward!r}")
         if self.credit == "token" and self.variable_length:
             raise ValueError(f"rollout.credit='token' needs a fixed-length task, got task={self.task!r}")
+
+    @property
+    def pooled(self) -> bool:
+        """The engine runs as a pool of replicas (rollout/engine_pool.py): several, on Ray, or restartable."""
+        return self.engines > 1 or self.placement == "ray" or self.on_engine_death == "restart"
 
     @property
     def sync_bucket_bytes(self) -> int:

@@ -199,6 +199,7 @@ class ExperimentConfig:
             raise ValueError("run.export_hf=true writes a Hugging Face directory of model.hf_path's family; "
                              "set model.hf_path (the synthetic GPT has no HF architecture)")
         self.model.check_layout(tp=p.tp, pp=p.pp, vp=p.vp, cp=p.cp, ep=p.ep, sequence_parallel=p.sequence_parallel)
+        self._check_engine_size()
         self._check_routing_replay()
         try:  # the registry's rules (unknown loss, rollout anchor + TIS), once per experiment
             check_loss_config(self.loss)
@@ -207,6 +208,19 @@ class ExperimentConfig:
         if "ref_logprobs" in required_inputs(self.loss):
             raise ValueError(f"loss.kl.coef: the demo trains without a reference policy, so kl.coef must "
                              f"be 0, got {self.loss.kl.coef}")
+
+    def _check_engine_size(self) -> None:
+        """An engine that declares the largest model it serves (EngineSpec.max_params) refuses a larger one."""
+        spec = engine_spec(self.rollout.engine)
+        if spec.max_params is None or self.model.hf_path is None:
+            return
+        from .memory_plan import Shape, total_params
+
+        n = total_params(Shape.of(self.model))
+        if n > spec.max_params:
+            raise ValueError(f"rollout.engine={spec.name!r} serves models up to {spec.max_params / 1e9:g}B parameters "
+                             f"({spec.max_params_why}); model.hf_path={self.model.hf_path} has {n / 1e9:.1f}B: "
+                             "sample with rollout.engine: vllm (data.prompts and data.reward, docs/launch.md)")
 
     def _check_routing_replay(self) -> None:
         """loss.routing_replay='rollout' needs an MoE model and rollouts that carry routes (the torch and hf

@@ -42,7 +42,7 @@ def test_bad_key_through_launch_script_is_one_line_and_exit_code_2():
 
 
 def test_launch_scripts_are_valid_bash():
-    for script in ("common.sh", "single_node.sh", "multi_node.sh", "demo.sh", "slurm.sbatch"):
+    for script in ("common.sh", "single_node.sh", "multi_node.sh", "demo.sh", "slurm.sbatch", "slurm_ray.sbatch"):
         proc = subprocess.run(["bash", "-n", str(ROOT / "launch" / script)], capture_output=True, text=True)
         assert proc.returncode == 0, f"{script}: {proc.stderr}"
 

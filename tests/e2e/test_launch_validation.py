@@ -17,7 +17,8 @@ from e2e_helpers import DEMO, ROOT, env
 from megatron_cispo.testing import free_port
 
 LAUNCH_VARS = ("NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "NPROC", "GPUS_PER_NODE", "RDZV",
-               "RDZV_ID", "RDZV_TIMEOUT", "NGPU", "PY", "TORCH_CPP_LOG_LEVEL")
+               "RDZV_ID", "RDZV_TIMEOUT", "NGPU", "PY", "TORCH_CPP_LOG_LEVEL", "ENGINE_GPUS_PER_NODE", "RAY_PORT",
+               "RAY_START_TIMEOUT", "RAY_ADDRESS", "CUDA_VISIBLE_DEVICES")
 
 
 def _clean_env(**extra) -> dict[str, str]:
@@ -32,7 +33,9 @@ def stubs(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, body in [("python", 'args="$*"; echo "python ${args//$\'\\n\'/ }" >> "$CALLS"'),  # one line per call
-                       ("srun", 'echo "srun NNODES=$NNODES MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT $*" >> "$CALLS"'),
+                       # the trainer's step returns last: slurm_ray.sbatch ends its Ray steps when it does
+                       ("srun", 'echo "srun NNODES=$NNODES MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT $*" >> "$CALLS"'
+                                '; case "$*" in *multi_node.sh*) sleep 1;; esac'),
                        ("scontrol", 'printf "nodeA\\nnodeB\\n"')]:
         path = bin_dir / name
         path.write_text(f"#!/usr/bin/env bash\n{body}\n")
@@ -68,6 +71,11 @@ BAD = [  # script, launch env, what the one line must say
     ("single_node.sh", dict(NGPU="two"), "NGPU='two' is not valid: expected a non-negative integer"),
     ("slurm.sbatch", dict(MASTER_PORT="99999"), "MASTER_PORT='99999'"),
     ("slurm.sbatch", dict(GPUS_PER_NODE="0"), "GPUS_PER_NODE='0'"),
+    ("slurm_ray.sbatch", dict(RAY_PORT="0"), "RAY_PORT='0' is not valid: expected an integer in 1..65535"),
+    ("slurm_ray.sbatch", dict(ENGINE_GPUS_PER_NODE="two"), "ENGINE_GPUS_PER_NODE='two' is not valid"),
+    ("slurm_ray.sbatch", dict(RAY_START_TIMEOUT="5m"), "RAY_START_TIMEOUT='5m' is not valid"),
+    ("slurm_ray.sbatch", dict(NGPU="8", ENGINE_GPUS_PER_NODE="8"),
+     "ENGINE_GPUS_PER_NODE='8' is not valid: expected fewer than GPUS_PER_NODE=8"),
 ]
 
 
@@ -174,3 +182,41 @@ def test_sigterm_to_the_launch_script_keeps_the_workers_exit_code_5_and_prints_n
     assert proc.returncode == 5, text[-3000:]
     assert "Traceback" not in text and "death signal" not in text and "closing signal" not in text, text[-3000:]
     assert text.count("stopped by SIGTERM after step") == 1, text[-3000:]
+
+
+def test_slurm_ray_starts_a_head_then_workers_with_the_engine_gpus_then_the_trainer_on_the_others(stubs):
+    """launch/slurm_ray.sbatch on 3 stub nodes of 8 GPUs: Ray's head on the first node and a worker on each
+    other, every one with GPUs 6,7; the trainer on GPUs 0..5 of every node, joined to the head's address
+    (rollout.placement=ray, rollout.ray_address). What it runs exists: the keys are RolloutConfig's, the
+    flags are `ray start`'s (when ray is installed here), and multi_node.sh takes the rest."""
+    import dataclasses
+    import importlib.util
+    import sys
+
+    from megatron_cispo.runner.data import RolloutConfig
+
+    stub_env, calls = stubs
+    stub_env = {**stub_env, "SLURM_JOB_NUM_NODES": "3"}
+    (calls.parent / "bin" / "scontrol").write_text('#!/usr/bin/env bash\nprintf "nodeA\\nnodeB\\nnodeC\\n"\n')
+    proc, _ = _launch("slurm_ray.sbatch", stub_env, NGPU="8")
+    assert proc.returncode == 0, proc.stderr
+    lines = calls.read_text().splitlines()
+    head = [ln for ln in lines if " start --head " in ln]
+    workers = sorted(ln for ln in lines if " start --block --address=" in ln)
+    (trainer,) = [ln for ln in lines if "multi_node.sh" in ln]
+    assert len(head) == 1 and "-w nodeA env CUDA_VISIBLE_DEVICES=6,7 " in head[0], lines
+    assert "--port=6379 --num-gpus=2 --include-dashboard=false" in head[0]
+    assert [w.split(" -w ")[1].split()[0] for w in workers] == ["nodeB", "nodeC"], lines
+    assert all("CUDA_VISIBLE_DEVICES=6,7 " in w and "--address=nodeA:6379 --num-gpus=2" in w for w in workers)
+    assert "--overlap --kill-on-bad-exit=1 env CUDA_VISIBLE_DEVICES=0,1,2,3,4,5 GPUS_PER_NODE=6 bash -c" in trainer
+    assert trainer.endswith(f"_ {DEMO} rollout.placement=ray rollout.ray_address=nodeA:6379"), trainer
+    assert lines.index(next(ln for ln in lines if " status --address nodeA:6379" in ln)) < lines.index(trainer)
+    # the keys it sets are the rollout section's, with these values
+    fields = {f.name for f in dataclasses.fields(RolloutConfig)}
+    assert {"placement", "ray_address"} <= fields
+    assert RolloutConfig(engine="vllm", placement="ray", ray_address="nodeA:6379").ray_address == "nodeA:6379"
+    if importlib.util.find_spec("ray") is not None:  # the flags it gives `ray start` are Ray's
+        helped = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", "--help"], capture_output=True,
+                                text=True, timeout=60, env=env()).stdout
+        used = set(re.findall(r" (--[a-z-]+)", " ".join(head + workers))) - {"--overlap", "--nodes", "--ntasks"}
+        assert used and all(flag in helped for flag in used), (used, helped[-2000:])

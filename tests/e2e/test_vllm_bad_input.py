@@ -1,9 +1,10 @@
 """data.prompts / data.reward / rollout.engine=vllm: bad input is one line and exit 2, nothing written.
 
-`train --check` reads the prompt file (every row tokenized), imports the reward, then looks for vLLM and
-checks the weight stream's bucket (rollout.sync_bucket_mb against the widest row), so
-the launch scripts refuse them before any rank starts; a run does the same before run_dir is claimed,
-said once by rank 0, and an earlier run's files stay where they were.
+`train --check` reads the prompt file (every row tokenized), imports the reward, then looks for vLLM (and,
+with rollout.placement: ray, for Ray and a cluster at rollout.ray_address) and checks the weight stream's
+bucket (rollout.sync_bucket_mb against the widest row), so the launch scripts refuse them before any rank
+starts; a run does the same before run_dir is claimed, said once by rank 0, and an earlier run's files
+stay where they were.
 """
 import importlib.util
 import json
@@ -81,6 +82,10 @@ def test_prompt_file_and_reward_problems_are_one_line_each(capsys, model, tmp_pa
     if HAS_VLLM:  # read after vLLM is found
         cases.append((["rollout.sync_bucket_mb=0.0001"], "rollout.sync_bucket_mb=0.0001 (104 bytes) is smaller than one row of "
                                                          "model.embed_tokens.weight gathered over tp=2"))
+    if HAS_VLLM:  # rollout.placement: ray without Ray, or with no cluster at the address (port 1: nothing listens)
+        cases.append((["rollout.placement=ray", "rollout.ray_address=127.0.0.1:1"],
+                      "no Ray cluster answers at 127.0.0.1:1 " if importlib.util.find_spec("ray")
+                      else "needs Ray, which this python cannot import: pip install 'megatron_cispo[ray]'"))
     for overrides, needle in cases:
         err = _check(capsys, model, *overrides)
         assert needle in err, (needle, err)

@@ -15,6 +15,8 @@ exactly, its vLLM process dies with it, and the new engine starts on the checkpo
 ratio stays within 1e-4 of 1 after each resume). In async mode at staleness 1 on pp 2 no trained
 sample lags more than 1, the wait fractions are reported, and the steps equal sync mode's as long as
 the lags do (an engine that happens to start a batch after the next push gives it fresher weights).
+Two replicas (rollout.engines=2) make one engine's batches; one killed mid-run stops the run in one line
+(rollout.on_engine_death=stop) or is restarted on the current weights and the run goes on (restart).
 """
 import importlib.util
 import json
@@ -183,8 +185,9 @@ def test_two_engines_give_one_engine_s_batches_both_serve_and_a_replica_killed_s
         model, tmp_path):
     """rollout.engines=2 (two vLLM processes, local placement), fp32, staleness 0: the same steps, bit for bit,
     as one engine (every prompt keyed by its own seed wherever it runs), the ratio within 1e-4 of 1, each
-    replica serving half the prompts. Then one replica is SIGKILLed mid-run: the run stops with exit 7 and
-    one line naming the replica, and the other replica's process dies with it."""
+    replica serving half the prompts. Then one replica is SIGKILLed mid-run (rollout.on_engine_death=stop, the
+    default): the run stops with exit 7 and one line naming the replica, and the other replica's process
+    dies with it."""
     two = _run(model, tmp_path / "two", "rollout.engines=2", steps=3)
     one = _run(model, tmp_path / "one", steps=3)
     keys = ("cispo/ratio_min", "cispo/ratio_max", "loss", "grad_norm", "reward_mean")
@@ -196,7 +199,7 @@ def test_two_engines_give_one_engine_s_batches_both_serve_and_a_replica_killed_s
     reward = f"data.reward={model.parent / 'spread.py'}:spread"
     (tmp_path / "job").mkdir()
     job = Job(tmp_path / "job", 2, [YAML, f"model.hf_path={model}", f"run.run_dir={run_dir}", "run.steps=100000",
-                                    reward, *FAST, "rollout.engines=2"])
+                                    reward, *FAST, "rollout.engines=2", "rollout.on_engine_death=stop"])
     try:
         job.wait_for_steps(run_dir, 2, timeout=300)
         engines = _engine_children(job.workers()[0])
@@ -213,6 +216,34 @@ def test_two_engines_give_one_engine_s_batches_both_serve_and_a_replica_killed_s
     while Path(f"/proc/{engines[0]}").exists() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not Path(f"/proc/{engines[0]}").exists(), "the other replica outlived the run"
+
+
+def test_a_replica_killed_mid_run_with_on_engine_death_restart_is_replaced_on_the_current_weights(model, tmp_path):
+    """rollout.on_engine_death=restart, two local replicas: replica 1's process SIGKILLed after step 2; the run
+    goes on to its end, one line says the replica was restarted, the fresh one gets the current weights
+    (the ratio stays within 1e-4 of 1 on every step, the steps after the kill included) and the prompts
+    keep being split across both."""
+    run_dir = tmp_path / "run"
+    (tmp_path / "job").mkdir()
+    job = Job(tmp_path / "job", 2, [YAML, f"model.hf_path={model}", f"run.run_dir={run_dir}", "run.steps=5",
+                                    f"data.reward={model.parent / 'spread.py'}:spread", *FAST, "rollout.engines=2",
+                                    "rollout.on_engine_death=restart"])
+    try:
+        job.wait_for_steps(run_dir, 2, timeout=300)
+        engines = _engine_children(job.workers()[0])
+        assert len(engines) == 2, engines
+        os.kill(engines[1], signal.SIGKILL)
+        assert job.proc.wait(timeout=300) == 0, job.output()[-3000:]
+    finally:
+        job.kill()
+    recs = metrics(run_dir)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5]
+    assert all(_off_one(r) <= 1e-4 for r in recs), [_off_one(r) for r in recs]
+    restarts = [r["rollout/engine_restarts"] for r in recs]  # the kill is met at step 3's push or generate, or later
+    assert restarts[1] == 0 and restarts[-1] == 1 and restarts == sorted(restarts), restarts
+    assert (recs[-1]["rollout/engine0_prompts"], recs[-1]["rollout/engine1_prompts"]) == (10, 10)
+    said = [ln for ln in job.output().splitlines() if "engine replica 1 died in" in ln]
+    assert len(said) == 1 and "restarting it on the current weights" in said[0], job.output()[-3000:]
 
 
 def test_top_p_0_9_on_tp2_sp_untied_replays_vllms_kept_sets_ratio_still_1_and_evaluates_held_out_prompts(

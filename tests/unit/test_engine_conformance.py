@@ -237,7 +237,10 @@ def _synthetic_state(model_cfg) -> dict:
     (["rollout.sync=disk"], "rollout.sync='disk' reloads an exported HF directory, which the 'torch' engine does not"),
     (["rollout.mode=async"], "rollout.mode='async' generates beside the trainer"),
     (["rollout.engine=nope"], "rollout.engine='nope' is not a registered engine; registered: ['hf', 'torch', 'vllm']"),
-    (["rollout.placement=ray"], "rollout.placement: expected 'local'"),
+    (["rollout.placement=ray"], "rollout.placement='ray' runs engines in their own processes, which the 'torch' "
+                                "engine is not"),
+    (["rollout.on_engine_death=restart"], "rollout.on_engine_death='restart' runs engines in their own processes"),
+    (["rollout.placement=k8s"], "rollout.placement: expected 'local' | 'ray'"),
 ])
 def test_what_an_engine_cannot_do_is_refused_in_one_line_where_the_config_is_read(overrides, says):
     from megatron_cispo.config import ConfigError

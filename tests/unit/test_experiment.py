@@ -240,3 +240,20 @@ def test_routing_replay_rollout_is_refused_at_check_on_a_dense_model_and_with_vl
         load_experiment(vllm, [f"model.hf_path={moe}", "loss.routing_replay=rollout"])
     cfg = load_experiment(DEMO, ["loss.routing_replay=rollout", "model.num_moe_experts=4", "parallelism.tp=1"])
     assert cfg.loss.routing_replay == "rollout"  # an MoE model whose engine (torch) returns routes
+
+
+def test_the_hf_engine_refuses_a_model_above_its_size_naming_vllm(capsys):
+    """EngineSpec.max_params: the hf engine serves up to 4B parameters; Qwen3-8B's config.json (8.2B) is
+    refused at --check in one line that names vLLM, and a model under the limit passes the rule."""
+    from megatron_cispo.rollout.engine import engine_spec
+
+    assert engine_spec("hf").max_params == 4e9 and engine_spec("vllm").max_params is None
+    qwen3_8b = ROOT / "yaml_configs" / "models" / "qwen3_8b"
+    code = main(["--check", str(ROOT / "yaml_configs" / "hf_qwen2_tiny.yaml"), "--world-size", "2",
+                 f"model.hf_path={qwen3_8b}"])
+    err = capsys.readouterr().err.strip()
+    assert code == EXIT_CONFIG and len(err.splitlines()) == 1, err
+    assert (f"rollout.engine='hf' serves models up to 4B parameters (it gathers the whole model on rank 0 at every "
+            f"weight push, rebuilds transformers' copy of it there and generates without a paged KV cache); "
+            f"model.hf_path={qwen3_8b} has 8.2B: sample with rollout.engine: vllm") in err
+    assert main(["--check", str(ROOT / "yaml_configs" / "hf_qwen2_tiny.yaml"), "--world-size", "2"]) == 0

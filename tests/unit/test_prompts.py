@@ -155,3 +155,24 @@ def test_a_state_of_other_prompts_is_refused_naming_both_files(tok, tmp_path):
     assert "\n" not in msg and msg.startswith("the checkpoint's prompt stream read other prompts")
     assert f"{tmp_path / 'small.jsonl'}: 7 rows" in msg and f"data.prompts={tmp_path / 'x' / 'small.jsonl'} (6 rows" in msg
     assert other.take(1)[0].index == 0  # the refused state changed nothing
+
+
+def test_a_model_directory_without_a_tokenizer_is_refused_at_start_and_named_by_check(tmp_path, capsys):
+    """The GPU recipes' config-only directories (config.json, no tokenizer): a run refuses to tokenize with
+    them in one line; --check reads the rows (a bad row is still refused) and says what it left to the start."""
+    from megatron_cispo.train import main
+
+    config_only = ROOT / "yaml_configs" / "models" / "qwen3_8b"
+    with pytest.raises(ValueError, match=rf"^data.prompts: model.hf_path={config_only} has no tokenizer \(none of "
+                                         r"tokenizer.json, tokenizer.model, vocab.json\), so the prompts cannot be "
+                                         r"tokenized; point model.hf_path \(HF_MODEL\) at the model's whole directory$"):
+        PromptStream(str(SHIPPED), tokenizer_path=str(config_only), seed=0)
+    recipe = str(ROOT / "yaml_configs" / "gpu_qwen3_8b.yaml")
+    sample = ROOT / "yaml_configs" / "data" / "math_sample.jsonl"
+    assert main(["--check", recipe, "--world-size", "16", f"data.prompts={sample}"]) == 0
+    out = capsys.readouterr().out
+    assert (f"# not checked: the prompts' tokenization, their lengths in tokens and the chat template "
+            f"(model.hf_path={config_only} has no tokenizer files); the run checks them at start\n") in out
+    bad = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "1+1", "answer": "2"}, {"prompt": 7, "answer": "7"}])
+    assert main(["--check", recipe, "--world-size", "16", f"data.prompts={bad}"]) == 2
+    assert "row 1: field 'prompt' is int '7', not a string" in capsys.readouterr().err

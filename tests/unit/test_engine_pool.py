@@ -1,0 +1,213 @@
+"""rollout.engines: N (rollout/engine_pool.py) on fake replicas, and rollout.placement: ray's pure parts
+(rollout/ray_engines.py: the placement group's bundles, the --check refusals), without vLLM or a Ray cluster.
+
+A replica that dies: rollout.on_engine_death=stop fails the call in one line naming it; restart replaces it
+(reopen(k)), pushes it the last complete push's buckets again, staged once, and retries its share, so the
+batch is the one a healthy pool makes; a dead replica in a push is replaced after the push with that push;
+a replica that refuses a call but lives, or a retry that fails again, stops the run. Each bucket is
+staged once (Ray: one ray.put) however many replicas read it. tests/e2e/test_vllm_cli.py kills a real
+replica's process mid-run with both settings, tests/e2e/test_ray_engines.py runs two Ray actors.
+"""
+import socket
+
+import pytest
+import torch
+
+from megatron_cispo.rollout.engine import Completion, Sampling
+from megatron_cispo.rollout.engine_pool import EnginePool, open_pool
+from megatron_cispo.rollout.weight_stream import Bucket
+
+
+class Fake:
+    """A replica: its weights are the sum of the bytes pushed; a completion is (weights, prompt, seed)."""
+
+    def __init__(self, k: int):
+        self.k, self.weights, self.pending, self.dead, self.closed = k, None, None, False, False
+        self.die_in: set = set()  # method names that kill it when called
+        self.refuse: set = set()  # method names that raise while it stays alive
+
+    def alive(self) -> bool:
+        return not self.dead
+
+    def _enter(self, name: str) -> None:
+        if self.dead:
+            raise RuntimeError(f"replica {self.k} is dead")
+        if name in self.die_in:
+            self.dead = True
+            raise RuntimeError(f"process died while {name}")
+        if name in self.refuse:
+            raise ValueError(f"{name} refused")
+
+    def begin_update(self, manifest, bucket_bytes):
+        self._enter("begin_update")
+        self.pending = 0
+
+    def add_bucket(self, bucket, index=0):
+        self._enter("add_bucket")
+        self.pending += int(bucket.data.sum())
+
+    def finish_update(self):
+        self._enter("finish_update")
+        self.weights, self.pending = self.pending, None
+
+    def abort_update(self):
+        self.pending = None
+
+    def generate(self, prompts, sampling):
+        self._enter("generate")
+        return [[Completion([self.weights, p[0], s], [0.0] * 3, "length")] for p, s in zip(prompts, sampling.seeds)]
+
+    def kill(self):
+        self.dead = True
+
+    def close(self):
+        self.closed = True
+
+
+def _buckets(values):
+    return [Bucket([], torch.tensor([v], dtype=torch.uint8)) for v in values]
+
+
+def _pool(n=2, on_death="stop", stage=None):
+    opened = []
+
+    def open_one(k):
+        opened.append(Fake(k))
+        return opened[-1]
+
+    return open_pool(open_one, n, on_death=on_death, stage=stage), opened
+
+
+SAMPLING = Sampling(n=1, max_new_tokens=3, seeds=[10, 20, 30, 40])
+PROMPTS = [[1], [2], [3], [4]]
+HEALTHY = [[Completion([9, p[0], s], [0.0] * 3, "length")] for p, s in zip(PROMPTS, SAMPLING.seeds)]
+
+
+def test_stop_fails_the_call_in_one_line_naming_the_dead_replica():
+    pool, opened = _pool()
+    pool.update_weights(_buckets([4, 5]), manifest={}, bucket_bytes=1)
+    opened[1].die_in.add("generate")
+    with pytest.raises(RuntimeError) as e:
+        pool.generate(PROMPTS, SAMPLING)
+    assert str(e.value) == "engine replica 1: process died while generate"
+    assert len(opened) == 2  # nothing restarted
+
+
+def test_restart_replaces_a_replica_dead_in_generate_with_the_current_weights_and_retries_its_share(capsys):
+    staged = []
+    pool, opened = _pool(on_death="restart", stage=lambda b: staged.append(b) or b)
+    pool.update_weights(_buckets([1, 2]), manifest={}, bucket_bytes=1)
+    pool.update_weights(_buckets([4, 5]), manifest={}, bucket_bytes=1)  # the current weights: 9
+    assert len(staged) == 4  # once per bucket, not once per replica
+    opened[1].die_in.add("generate")
+    assert pool.generate(PROMPTS, SAMPLING) == HEALTHY
+    assert len(opened) == 3 and opened[1].closed and pool.engines[1] is opened[2] and opened[2].weights == 9
+    assert pool.info() == {"rollout/engine0_prompts": 2.0, "rollout/engine1_prompts": 2.0,
+                           "rollout/engine_restarts": 1.0}
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and said[0].startswith("engine replica 1 died in generating 2 prompts (process died")
+
+
+def test_restart_after_a_death_in_a_push_gives_the_fresh_replica_that_push():
+    pool, opened = _pool(on_death="restart")
+    pool.update_weights(_buckets([1, 2]), manifest={}, bucket_bytes=1)
+    opened[0].die_in.add("add_bucket")
+    pool.update_weights(_buckets([4, 5]), manifest={}, bucket_bytes=1)
+    assert [e.weights for e in pool.engines] == [9, 9] and pool.engines[0] is opened[2]
+    assert pool.generate(PROMPTS, SAMPLING) == HEALTHY
+
+
+def test_restart_copies_the_buckets_to_the_host_since_the_stream_reuses_their_memory():
+    pool, opened = _pool(on_death="restart")
+    shared = torch.tensor([4], dtype=torch.uint8)
+    pool.update_weights([Bucket([], shared)], manifest={}, bucket_bytes=1)
+    shared.fill_(100)  # the stream's next bucket overwrites the same bytes
+    opened[1].die_in.add("generate")
+    pool.generate(PROMPTS, SAMPLING)
+    assert opened[2].weights == 4
+
+
+@pytest.mark.parametrize("what,says", [
+    ("refuse", "engine replica 1: generate refused"),  # alive: a fresh replica would refuse it too
+    ("twice", "engine replica 1: restarted after it died, its retry of 2 prompts failed too: process died"),
+])
+def test_restart_still_stops_on_a_live_refusal_or_a_second_death(what, says):
+    pool, opened = _pool(on_death="restart")
+    pool.update_weights(_buckets([4, 5]), manifest={}, bucket_bytes=1)
+    if what == "refuse":
+        opened[1].refuse.add("generate")
+    else:
+        opened[1].die_in.add("generate")
+        pool._reopen = lambda k: (opened.append(Fake(k)), opened[-1].die_in.add("generate"), opened[-1])[-1]
+    with pytest.raises(RuntimeError) as e:
+        pool.generate(PROMPTS, SAMPLING)
+    assert str(e.value).startswith(says) and "\n" not in str(e.value)
+
+
+def test_a_pool_refuses_an_unknown_death_policy_and_restart_without_reopen():
+    with pytest.raises(ValueError, match="on_death must be 'stop' or 'restart', got 'retry'"):
+        EnginePool([Fake(0)], on_death="retry")
+    with pytest.raises(ValueError, match="needs reopen"):
+        EnginePool([Fake(0)], on_death="restart")
+
+
+def test_close_closes_every_replica_then_runs_after_close_once():
+    calls = []
+    pool = EnginePool([Fake(0), Fake(1)], after_close=lambda: calls.append(all(e.closed for e in pool.engines)))
+    pool.close()
+    pool.close()
+    assert calls == [True]
+
+
+# -- rollout.placement: ray, without a cluster ---------------------------------------------------------------
+def test_bundles_are_one_per_replica_gpus_from_the_engine_cpu_only_without_gpus():
+    from megatron_cispo.rollout.ray_engines import bundles
+
+    assert bundles(2, 0) == [{"CPU": 1.0}, {"CPU": 1.0}]
+    assert bundles(3, 2) == [{"CPU": 1.0, "GPU": 2.0}] * 3
+    with pytest.raises(ValueError, match="n >= 1 replicas and gpus_per_engine >= 0, got 0 and 1"):
+        bundles(0, 1)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens once it is closed
+
+
+def test_placement_ray_is_refused_at_check_in_one_line_without_ray_or_without_a_cluster(monkeypatch, tmp_path):
+    import importlib.util
+
+    from megatron_cispo.rollout import ray_engines
+    from megatron_cispo.runner.data import RolloutConfig
+
+    ray = lambda address="auto": RolloutConfig(engine="vllm", placement="ray", ray_address=address)  # noqa: E731
+    assert ray_engines.placement_problem(RolloutConfig(engine="vllm")) is None
+    port = _closed_port()
+    if importlib.util.find_spec("ray") is not None:
+        said = ray_engines.placement_problem(ray(f"127.0.0.1:{port}"))
+        assert said.startswith(f"rollout.placement=ray: no Ray cluster answers at 127.0.0.1:{port} ")
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        monkeypatch.setattr(ray_engines, "_ADDRESS_FILE", tmp_path / "none")
+        assert "no Ray cluster found for rollout.ray_address=auto" in ray_engines.placement_problem(ray())
+        monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+        assert f"no Ray cluster answers at 127.0.0.1:{port}" in ray_engines.placement_problem(ray())
+        assert "Ray Client addresses are not supported" in ray_engines.placement_problem(ray("ray://h:10001"))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    said = ray_engines.placement_problem(ray(f"127.0.0.1:{port}"))
+    assert said == ("rollout.placement=ray needs Ray, which this python cannot import: pip install "
+                    "'megatron_cispo[ray]' (RAY=1 bash launch/setup_env.sh)")
+
+
+@pytest.mark.parametrize("kw,says", [
+    (dict(placement="ray", sync="disk"), "rollout.placement='ray' pushes the weights to each replica in buckets: it "
+                                         "needs rollout.sync: stream, got 'disk'"),
+    (dict(on_engine_death="restart", sync="disk"), "rollout.on_engine_death='restart' pushes the weights"),
+])
+def test_ray_placement_and_restart_need_the_streamed_push(kw, says):
+    from megatron_cispo.runner.data import RolloutConfig
+
+    with pytest.raises(ValueError) as e:
+        RolloutConfig(engine="vllm", **kw)
+    assert str(e.value).startswith(says)
