@@ -6,18 +6,25 @@ the shipped CPU configs, per rank, through the real runner.
 
 Each config runs rollout.staleness + 2 steps under torchrun at the world size its header launches
 (runner.loop.run, as `train` runs it; no checkpoint, export or TensorBoard), inside torch.profiler with
-profile_memory=True: every CPU allocation and free torch's allocator makes, per rank, with its time. The
-live bytes over time are their running sum from before the model is built. Measured per rank, in the last
-step (the lagged versions and Adam's state are complete by then):
+profile_memory=True. The live bytes over time are torch's CPU allocator's own total (c10's
+ProfiledCPUMemoryReporter, which with FLAGS_caffe2_report_cpu_memory_usage set counts the allocations and
+frees of every thread) as each recorded allocation event carries it, from before the model is built. Not the
+running sum of the events: the profiler records only the threads it profiles, and a tensor freed on a gloo
+worker thread (an all-reduced activation whose collective outlives the caller's reference: about half of
+them) has no free event, so that sum grows by the hidden-sized outputs of every TP all-reduce, step after
+step. Measured per rank, in the last step (the lagged versions and Adam's state are complete by then):
 - train: the peak of live bytes during policy_step (weights, gradients, optimizer state, activations, the
   head's workspace, and what the sampler keeps: lagged versions, rank 0's in-process engine);
 - sync: the peak during the sampler's rollouts() (the weight stream into the engine, its buckets, generation);
 - static: the bytes of the parameters, megatron's gradient buffers and the optimizer's own tensors, summed
   from the objects themselves after the step (unique storages).
-The plan's train figure is its resident parts + activations, its sync figure resident + weight-sync buckets +
-engine update. Also printed: the peak resident-set growth of the whole run (VmHWM minus VmRSS before the
-run), which counts only touched pages (a 256 MiB bucket that holds a 1 MiB model touches 1 MiB) plus what
-is not a tensor (gloo, megatron's set-up, Python objects). Not a test: nothing here is asserted.
+The plan's train figure is its resident parts + its train parts (activations, the rollout batch), its sync
+figure resident + its sync parts (weight-sync buckets, the batch broadcast, engine update); an engine in its
+own process (vLLM) has its share on rank 0 left out, as the shared bucket file is mapped, not allocated by
+torch. vllm_qwen2_tiny runs with data.max_prompt_tokens set to its files' longest prompt (which refuses no
+prompt), so the plan bounds its rows as the run has them instead of by model.seq_length. Also printed: the
+peak resident-set growth of the whole run (VmHWM minus VmRSS before the run), which counts only touched pages
+plus what is not a tensor (gloo, megatron's set-up, Python objects). Not a test: nothing here is asserted.
 """
 from __future__ import annotations
 
@@ -47,6 +54,29 @@ def _status_kib(key: str) -> int:
         if line.startswith(key + ":"):
             return int(line.split()[1])
     return 0
+
+
+def _count_every_thread() -> None:
+    """Have c10's CPU allocator keep its live-bytes total for every thread, the profiled one or not."""
+    import ctypes
+
+    import torch
+
+    lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libc10.so"))
+    ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage").value = True
+
+
+def _allocator_totals(prof) -> list[tuple[int, int]]:
+    """[(time ns, the CPU allocator's live bytes just after)] of every CPU allocation and free recorded."""
+    from torch._C._profiler import _EventType
+
+    out, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while todo:
+        node = todo.pop()
+        todo.extend(node.children)
+        if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == "cpu":
+            out.append((node.start_time_ns, node.typed[1].total_allocated))
+    return sorted(out)
 
 
 def _storage_bytes(tensors) -> int:
@@ -120,15 +150,11 @@ def worker(config: str, out: str, overrides: list[str]) -> None:
     for cls in (TaskSampler, PromptSampler):
         cls.rollouts = timed("sync", cls.rollouts)
     rss0 = _status_kib("VmRSS")
+    _count_every_thread()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run(cfg)
     hwm = _status_kib("VmHWM")
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]" and str(e.device_type()).endswith("CPU"))
-    live, timeline = 0, []
-    for t, n in events:
-        live += n
-        timeline.append((t, live))
+    timeline = _allocator_totals(prof)
 
     def peak(label):  # the last window of that kind: the last step's
         _, t0, t1 = [w for w in windows if w[0] == label][-1]
@@ -156,6 +182,22 @@ def measure(config: str, world: int, extra: list[str]) -> list[dict]:
         return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(world)]
 
 
+def _prompt_bound(config: str, overrides: list[str]) -> list[str]:
+    """[data.max_prompt_tokens=<the longest prompt of data.prompts and data.eval_prompts, in tokens>] for a
+    prompt-file config without one (that limit refuses no prompt of these files), else []."""
+    from megatron_cispo.rollout.prompts import PromptStream
+    from megatron_cispo.runner.experiment import load_experiment
+
+    cfg = load_experiment(ROOT / "yaml_configs" / f"{config}.yaml", overrides)
+    d = cfg.data
+    if d.prompts is None or d.max_prompt_tokens is not None:
+        return []
+    longest = max(max(len(ids) for ids in PromptStream(path, tokenizer_path=cfg.model.hf_path, seed=0,
+                                                        prompt_key=d.prompt_key, chat_template=d.chat_template)._ids)
+                  for path in (d.prompts, d.eval_prompts) if path is not None)
+    return [f"data.max_prompt_tokens={longest}"]
+
+
 def _make_tiny(config: str) -> None:
     family, path = TINY[config]
     if not (ROOT / path / "config.json").exists():
@@ -173,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         worker(args.worker, args.out, overrides)
         return 0
     from megatron_cispo.runner.experiment import load_experiment
+    from megatron_cispo.rollout.engine import engine_spec
     from megatron_cispo.runner.memory_plan import PHASE, memory_plan
 
     print("| config | ranks | part | predicted MiB | measured MiB | measured / predicted |")
@@ -180,21 +223,24 @@ def main(argv: list[str] | None = None) -> int:
     for config in args.configs:
         if config in TINY:
             _make_tiny(config)
-        world = CONFIGS[config]
+        world, extra = CONFIGS[config], [*overrides, *_prompt_bound(config, overrides)]
         try:
-            measured = measure(config, world, overrides)
+            measured = measure(config, world, extra)
         except RuntimeError as e:
             print(f"| {config} | - | not run: {str(e).splitlines()[0]} | | | |")
             continue
-        cfg = load_experiment(ROOT / "yaml_configs" / f"{config}.yaml", overrides)
+        cfg = load_experiment(ROOT / "yaml_configs" / f"{config}.yaml", extra)
+        mapped = engine_spec(cfg.rollout.engine).overlaps  # its share on rank 0: a mapped file, not torch's
         for g in memory_plan(cfg, world, device="cpu"):
-            by = {ph: sum(v for k, v in g.parts.items() if PHASE[k] == ph) for ph in ("resident", "train", "sync")}
+            parts = {k: v for k, v in g.parts.items() if not (mapped and k == "rollout engine")}
+            by = {ph: sum(v for k, v in parts.items() if PHASE[k] == ph) for ph in ("resident", "train", "sync")}
+            total = by["resident"] + max(by["train"], by["sync"])
             rows = [(k, g.parts[k], [m["static"][k] for m in measured if m["rank"] in g.ranks])
                     for k in ("weights", "gradients", "optimizer state")]
             rows += [("train peak", by["resident"] + by["train"], [m["train"] for m in measured if m["rank"] in g.ranks]),
                      ("sync peak", by["resident"] + by["sync"], [m["sync"] for m in measured if m["rank"] in g.ranks]),
-                     ("whole run", g.total, [m["whole"] for m in measured if m["rank"] in g.ranks]),
-                     ("RSS growth", g.total, [m["rss_growth"] for m in measured if m["rank"] in g.ranks])]
+                     ("whole run", total, [m["whole"] for m in measured if m["rank"] in g.ranks]),
+                     ("RSS growth", total, [m["rss_growth"] for m in measured if m["rank"] in g.ranks])]
             for part, want, got in rows:
                 lo, hi = min(got), max(got)
                 span = f"{lo / MIB:.3f}" if hi - lo < 0.0005 * MIB else f"{lo / MIB:.3f}-{hi / MIB:.3f}"

@@ -7,8 +7,10 @@ Per PP stage one rank sends the dense weights: the one with DP = CP = 0 and TP r
 rank sends its experts: the one with expert DP = 0 and expert TP rank 0. Their TP peers send them their
 shards a row block at a time (point to point over TP), so no rank holds more than one gathered block
 and one bucket beyond the model: about 2 x bucket_bytes (the receiving rank can pack straight into the
-engine's buffer). Tensors keep the parameters' dtype. The other stages' senders forward their buckets
-to `dst` point to point, stage by stage. `namer` names each block by the HF export mapping
+engine's buffer); a bucket is allocated no larger than what fills it: a sender's at most the bytes it
+sends in all (sent_bytes), dst's receive buffer at most the largest other sender's. Tensors keep the
+parameters' dtype. The other stages' senders forward their buckets to `dst` point to point, stage by
+stage. `namer` names each block by the HF export mapping
 (hf/mapping.pieces) or by megatron's full tensors (megatron_namer); a receiver writes block b into
 the full tensor b.name at rows b.row.., columns b.col.. (rollout/weight_receiver.py).
 """
@@ -139,11 +141,12 @@ class _Packer:
 
 
 def tensor_buckets(tensors: dict[str, Tensor], bucket_bytes: int) -> Iterator[Bucket]:
-    """Single process: full tensors {name: tensor} as buckets (row blocks of a tensor larger than one)."""
-    packer = None
+    """Single process: full tensors {name: tensor} as buckets (row blocks of a tensor larger than one), in
+    one buffer of min(bucket_bytes, the tensors' bytes)."""
+    packer, total = None, sum(t.numel() * t.element_size() for t in tensors.values())
     for name, t in tensors.items():
         t = t.detach()
-        packer = packer or _Packer(bucket_bytes, t.device)
+        packer = packer or _Packer(min(bucket_bytes, total), t.device)
         row_bytes = max(1, t[0].numel() if t.dim() > 1 else 1) * t.element_size()
         rows = bucket_bytes // row_bytes
         if rows < 1:
@@ -200,24 +203,41 @@ def stream_manifest(chunks, namer: Namer) -> dict[str, tuple[int, ...]]:
     return {k: v for part in every for k, v in part.items()}
 
 
-def _own_buckets(chunks, namer: Namer, bucket_bytes: int, tensors, buffer=None) -> Iterator[Bucket]:
-    """This rank's part of the stream: TP gathers (as sender or peer); buckets only on senders. A parameter
-    goes from its DP = 0 copy (expert DP for experts: sends_param), so TP peers skip alike."""
-    packer, scratch = None, {}
+def _parts(chunks, namer: Namer, tensors):
+    """(global name, tensor to send, bytes of one of its rows, split over TP, shard group, size, rank, the
+    regions of each TP rank's shard) of every parameter this rank takes part in sending: its own copy at
+    shard rank 0, or a TP shard it gathers (rank 0) or hands to the gather (the others)."""
     for mod, name, p, t in _tensors(chunks, tensors):
         gname, full, dim, glu, split, group, size, rank = _shape_of(mod, name, p, t)
         if not split and rank != 0:
             continue
         row_bytes = t[0].numel() * t.element_size() if t.dim() > 0 else t.element_size()
+        regions = {r: namer(gname, tuple(full), r, size, dim, glu) for r in (range(size) if split else [0])}
+        yield gname, t, row_bytes, split, group, size, rank, regions
+
+
+def sent_bytes(chunks, namer: Namer, tensors=None) -> int:
+    """Bytes this rank packs into buckets over one stream_buckets(chunks, namer=namer) (0: it packs none),
+    whatever bucket_bytes: every block of the regions it sends, gathered TP shards included. No collective."""
+    return sum((g.stop - g.start) * row_bytes for _, _, row_bytes, _, _, _, rank, regions
+               in _parts(chunks, namer, tensors) if rank == 0 for gs in regions.values() for g in gs)
+
+
+def _own_buckets(chunks, namer: Namer, bucket_bytes: int, tensors, buffer=None, sent: int = 0) -> Iterator[Bucket]:
+    """This rank's part of the stream: TP gathers (as sender or peer); buckets only on senders, packed in
+    `buffer` or in one of min(bucket_bytes, sent) bytes (`sent`: sent_bytes, so a small model takes no
+    whole bucket). A parameter goes from its DP = 0 copy (expert DP for experts: sends_param), so TP peers
+    skip alike."""
+    packer, scratch = None, {}
+    for gname, t, row_bytes, split, group, size, rank, regions in _parts(chunks, namer, tensors):
         rows = bucket_bytes // (row_bytes * (size if split else 1))
         if rows < 1:
             raise ValueError(f"rollout.sync_bucket_mb={bucket_bytes / 2**20:g} is smaller than one row of {gname} "
                              f"({row_bytes * (size if split else 1)} bytes gathered over TP); raise it")
-        regions = {r: namer(gname, tuple(full), r, size, dim, glu) for r in (range(size) if split else [0])}
         if not any(regions.values()):
             continue  # nothing of it is sent (every TP rank decides alike)
         if packer is None and rank == 0:
-            packer = _Packer(bucket_bytes, t.device, buffer)
+            packer = _Packer(min(bucket_bytes, sent), t.device, buffer)
         for s in range(0, t.shape[0], rows):
             part = t[s:s + rows].contiguous()
             if split:
@@ -274,26 +294,30 @@ def stream_buckets(chunks, *, namer: Namer, bucket_bytes: int, tensors=None, dst
     buffer: dst's bucket memory ([bucket_bytes] uint8, e.g. the engine's shared file): every bucket dst
     yields is packed or received there, so dst holds one bucket plus one gathered row block (plus a
     receive bucket on the parameters' device when that is not the buffer's: NCCL takes no CPU tensor).
+    Without it each buffer is no larger than what fills it: a sender's packs min(bucket_bytes, its
+    sent_bytes), dst's receive buffer min(bucket_bytes, the largest other sender's sent_bytes), which
+    every rank learns in one all_gather_object.
     """
     import torch.distributed as dist
 
     if buffer is not None and buffer.numel() < bucket_bytes:
         raise ValueError(f"buffer holds {buffer.numel()} bytes, less than bucket_bytes={bucket_bytes}")
+    sent = sent_bytes(chunks, namer, tensors)
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        yield from _own_buckets(chunks, namer, bucket_bytes, tensors, buffer)
+        yield from _own_buckets(chunks, namer, bucket_bytes, tensors, buffer, sent)
         return
     me = dist.get_rank()
-    sends = _is_sender(chunks)
-    senders = [None] * dist.get_world_size()
-    dist.all_gather_object(senders, sends)
+    senders = [None] * dist.get_world_size()  # every rank's sent_bytes: 0 on a rank that sends nothing
+    dist.all_gather_object(senders, sent)
     device = next(getattr(chunks[0], "module", chunks[0]).parameters()).device
     obj_dev = None if device.type == "cpu" else device
     if me == dst:
-        yield from _own_buckets(chunks, namer, bucket_bytes, tensors, buffer)
+        yield from _own_buckets(chunks, namer, bucket_bytes, tensors, buffer, sent)
         # received on the parameters' device (NCCL takes no CPU tensor), then copied to a CPU buffer
+        largest = min(bucket_bytes, max((n for r, n in enumerate(senders) if r != dst), default=0))
         same = buffer is not None and buffer.device == device
-        buf = buffer if same else torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
-        for src in (r for r, s in enumerate(senders) if s and r != dst):
+        buf = buffer if same else torch.empty(largest, dtype=torch.uint8, device=device) if largest else None
+        for src in (r for r, n in enumerate(senders) if n and r != dst):
             while True:
                 box = [None]
                 dist.recv_object_list(box, src=src, device=obj_dev)
@@ -305,18 +329,11 @@ def stream_buckets(chunks, *, namer: Namer, bucket_bytes: int, tensors=None, dst
                     buffer[:n].copy_(buf[:n])
                 yield Bucket(blocks, buffer[:n] if buffer is not None else buf[:n])
         return
-    for bucket in _own_buckets(chunks, namer, bucket_bytes, tensors):
+    for bucket in _own_buckets(chunks, namer, bucket_bytes, tensors, sent=sent):
         dist.send_object_list([(bucket.blocks, bucket.data.numel())], dst=dst, device=obj_dev)
         dist.send(bucket.data, dst=dst)
-    if sends:
+    if sent:
         dist.send_object_list([None], dst=dst, device=obj_dev)
-
-
-def _is_sender(chunks) -> bool:
-    """Whether this rank sends buckets: it holds the sent copy (sends_param) of some parameter at TP rank 0
-    of that parameter's shard group."""
-    return any(sends_param(name) and shard_group(name)[2] == 0 for chunk in chunks
-               for name, _ in getattr(chunk, "module", chunk).named_parameters())
 
 
 def bucket_problem(arch, bucket_mb: float, *, tp: int) -> Optional[str]:

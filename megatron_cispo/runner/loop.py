@@ -254,6 +254,7 @@ def _train(t: _Trainer, start: int) -> None:
         if cfg.run.max_consecutive_skips and skips >= cfg.run.max_consecutive_skips:
             _stop(t, NonFiniteStop(_stop_message(cfg, step, skips, metrics)))
         _checkpoint_or_preempt(t, step)
+        del batch  # else the next step samples and trains beside this global batch (runner/memory_plan.py)
     end, ckpt = max(start, cfg.run.steps), cfg.run.checkpoint_interval  # end: the weights' step
     if cfg.run.export_hf and not (start < end and ckpt and end % ckpt == 0):
         try:  # the last step's export, unless its checkpoint just wrote it (run.steps=0: the loaded model)

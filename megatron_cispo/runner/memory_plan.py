@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 
 from ..config import ConfigError
-from ..rollout.engine import engine_spec
+from ..rollout.engine import engine_spec, runs_on_cuda
 from ..fused_head import default_chunk_rows
 from ..vocab_softmax import CHUNK_BYTES
 
@@ -29,17 +29,20 @@ GATHER_MIN = 1 << 20  # weight_stream._gather's smallest receive buffer
 # "sync" ones while the weights stream into the engine (the push and the step never overlap): a rank's total
 # is resident + max(train, sync).
 PHASE = {"weights": "resident", "gradients": "resident", "optimizer state": "resident", "activations": "train",
-         "head workspace": "resident", "weight-sync buckets": "sync", "lagged versions": "resident",
-         "rollout engine": "resident", "engine update": "sync"}
+         "head workspace": "resident", "rollout batch": "train", "weight-sync buckets": "sync",
+         "batch broadcast": "sync", "lagged versions": "resident", "rollout engine": "resident",
+         "engine update": "sync"}
 FIX = {"weights": "raise parallelism.tp or parallelism.pp",
        "gradients": "raise parallelism.tp or parallelism.pp",
        "optimizer state": "set optimizer.distributed: true (sharded over dp x cp), or raise parallelism.tp/pp",
        "activations": "lower parallelism.max_tokens_per_microbatch or micro_batch_size, or raise tp (with "
                       "sequence_parallel) or cp",
        "head workspace": "use loss.head: fused",
+       "rollout batch": "lower rollout.prompts_per_step or rollout.group_size (every rank holds the global batch)",
+       "batch broadcast": "lower rollout.prompts_per_step or rollout.group_size (every rank holds the global batch)",
        "weight-sync buckets": "lower rollout.sync_bucket_mb",
        "lagged versions": "lower rollout.staleness, or use rollout.mode: async",
-       "rollout engine": "lower rollout.vllm.gpu_memory_utilization, or sample with rollout.engine: vllm",
+       "rollout engine": "lower rollout.vllm.gpu_memory_utilization (vLLM's share of the GPU it shares with rank 0)",
        "engine update": "sample with rollout.engine: vllm (its weights live in its own process)"}
 
 
@@ -48,6 +51,7 @@ class Shape:
     """The trainer model's widths, from model.hf_path's config.json or the synthetic GPT's keys."""
 
     vocab: int  # embedding rows (padded)
+    vocab_real: int  # the vocabulary's own rows: what an HF-named weight push sends
     hidden: int
     layers: int
     heads: int
@@ -69,13 +73,13 @@ class Shape:
     def of(cls, m) -> "Shape":
         a = m.arch
         if a is not None:
-            return cls(a.padded_vocab_size, a.hidden_size, a.num_layers, a.num_attention_heads, a.num_query_groups,
-                       a.head_dim, a.ffn_hidden_size, a.num_experts or 0, a.moe_topk, True, 1, False, a.qkv_bias,
-                       a.qk_norm, True, a.tie_embeddings, a.max_position_embeddings)
+            return cls(a.padded_vocab_size, a.vocab_size, a.hidden_size, a.num_layers, a.num_attention_heads,
+                       a.num_query_groups, a.head_dim, a.ffn_hidden_size, a.num_experts or 0, a.moe_topk, True, 1,
+                       False, a.qkv_bias, a.qk_norm, True, a.tie_embeddings, a.max_position_embeddings)
         moe = m.num_moe_experts is not None
-        return cls(m.vocab_size, m.hidden_size, m.num_layers, m.num_attention_heads, m.num_attention_heads,
-                   m.hidden_size // m.num_attention_heads, m.ffn_size, m.num_moe_experts or 0, m.moe_router_topk,
-                   False, 2, not moe, not moe, False, False, False, m.seq_length)
+        return cls(m.vocab_size, m.vocab_size, m.hidden_size, m.num_layers, m.num_attention_heads,
+                   m.num_attention_heads, m.hidden_size // m.num_attention_heads, m.ffn_size, m.num_moe_experts or 0,
+                   m.moe_router_topk, False, 2, not moe, not moe, False, False, False, m.seq_length)
 
 
 def layer_params(s: Shape, tp: int, ep: int) -> tuple[int, int]:
@@ -108,6 +112,20 @@ def row_tokens(cfg) -> int:
     if cfg.data.max_prompt_tokens is not None:  # else the prompts may fill the engine's length (unread here)
         length = min(length, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
     return length
+
+
+def batch_bytes(cfg, s: Shape) -> int:
+    """The global rollout batch (rollout/sampler.Batch), which rank 0 broadcasts to every rank: per row of t
+    targets (row_tokens), int64 tokens (t + 1), a bool loss mask, fp32 sampler logprobs, fp32 advantages (per
+    target with rollout.credit=token), int64 length and policy version, fp32 reward, the synthetic task's bool
+    correctness per answer token, and an MoE engine's int64 routes (t x layers x top-k). Kept sets
+    (rollout.top_k, top_p) are not counted."""
+    r = cfg.rollout
+    t = row_tokens(cfg)
+    row = 8 * (t + 1) + t * (1 + 4) + 4 * (t if r.credit == "token" else 1) + 8 + 8 + 4
+    row += r.answer_len if cfg.data.prompts is None else 0
+    row += 8 * t * s.layers * s.topk if s.experts and engine_spec(r.engine).routes else 0
+    return r.batch_size * row
 
 
 def activation_bytes(cfg, s: Shape, *, in_flight: int, last: bool, device: str) -> tuple[int, int]:
@@ -174,7 +192,25 @@ class RankGroup:
         return by["resident"] + max(by["train"], by["sync"])
 
 
-def _rank_parts(cfg, s: Shape, *, world: int, rank: int, dp: int, device: str) -> tuple[int, tuple]:
+def pushed_bytes(cfg, s: Shape, *, world: int, rank: int) -> int:
+    """Bytes rank `rank` packs into weight-sync buckets per push (rollout/weight_stream.sent_bytes): on TP rank
+    0, its TP group's shards of the copy it sends, gathered (DP = CP = 0: the dense weights; expert DP = 0: its
+    experts), as the engine names them (HF names drop the vocabulary's padding rows and a tied output layer's copy)."""
+    p = cfg.parallelism
+    stage, inner = divmod(rank, world // p.pp)
+    tpr, j = inner % p.tp, inner // p.tp
+    if tpr:
+        return 0
+    dense, expert = stage_params(s, tp=1, pp=p.pp, ep=p.ep, stage=stage)
+    last = stage == p.pp - 1
+    if engine_spec(cfg.rollout.engine).names == "hf":
+        dense -= (s.vocab - s.vocab_real) * s.hidden * ((stage == 0) + (last and not s.tied))
+        dense -= s.vocab * s.hidden * (last and s.tied and p.pp > 1)
+    return (dense * (j == 0) + expert * (j < p.ep)) * _BYTES[cfg.model.dtype]
+
+
+def _rank_parts(cfg, s: Shape, *, world: int, rank: int, dp: int, device: str,
+                pushed: list[int]) -> tuple[int, tuple]:
     p, o, r = cfg.parallelism, cfg.optimizer, cfg.rollout
     per_stage = world // p.pp
     stage, inner = divmod(rank, per_stage)  # megatron's order: tp innermost, then cp, dp; pp outermost
@@ -189,13 +225,18 @@ def _rank_parts(cfg, s: Shape, *, world: int, rank: int, dp: int, device: str) -
     mbs = math.ceil(r.batch_size // dp / p.micro_batch_size)
     parts["activations"], parts["head workspace"] = activation_bytes(
         cfg, s, in_flight=_in_flight(cfg, stage, mbs), last=stage == p.pp - 1, device=device)
+    # the step's batch and this rank's DP shard of it (runner/loop._step); during the sampling the new batch and
+    # its pickled bytes (broadcast_object_list)
+    parts["rollout batch"] = batch_bytes(cfg, s) + batch_bytes(cfg, s) // dp
+    parts["batch broadcast"] = 2 * batch_bytes(cfg, s)
     sent = dense * (j == 0) + expert * (j < p.ep)  # the copy this rank sends (DP = CP = 0; expert DP = 0)
     bucket = int(r.sync_bucket_mb * 2**20)
     spec = engine_spec(r.engine)
     own = spec.overlaps and rank == 0  # an engine in its own process: rank 0 packs into its shared bucket file
-    if r.sync == "stream":  # the sender's bucket; a TP gather's receive buffer; rank 0 also receives
-        sync = bucket * (sent > 0 and tpr == 0 and not own) + (world > 1 and rank == 0) * bucket * (not own
-                                                                                               or device == "cuda")
+    if r.sync == "stream":  # each buffer holds what fills it, a bucket at most (weight_stream.stream_buckets):
+        # the sender's bucket; rank 0 receives the other senders' (into the engine's shared file on CPU)
+        received = min(bucket, max(pushed[1:], default=0)) * (rank == 0) * (not own or device == "cuda")
+        sync = min(bucket, pushed[rank]) * (not own) + received
         if sent and tpr == 0 and p.tp > 1:  # the TP gather's buffer: one row block of the largest shard per peer
             shard = max(s.vocab * s.hidden, s.hidden * (s.heads + 2 * s.groups) * s.head_dim,
                         s.hidden * s.ffn * (2 if s.gated else 1)) // p.tp * b
@@ -203,29 +244,29 @@ def _rank_parts(cfg, s: Shape, *, world: int, rank: int, dp: int, device: str) -
         keep = r.staleness + 1 if r.mode == "sync" and r.staleness > 0 else 0
         parts["lagged versions"] = keep * sent * b  # the live version's copy and `staleness` older ones
     else:  # disk: every rank gathers the whole model in fp32
-        sync = _total_params(s) * 4
+        sync = total_params(s) * 4
     parts["weight-sync buckets"] = sync
-    full = _total_params(s)
+    full = total_params(s)
     if rank == 0 and not spec.overlaps:  # in-process engines: rank 0 holds the whole model
         parts["rollout engine"] = full * _BYTES[r.precision]
         parts["engine update"] = full * b + full * _BYTES[r.precision]  # staging + the new copy
-    elif own and device == "cpu" and r.sync == "stream":  # the shared bucket file, mapped by rank 0 too
-        parts["rollout engine"] = bucket
+    elif own and device == "cpu" and r.sync == "stream":  # the shared bucket file, mapped by rank 0 too: sparse,
+        parts["rollout engine"] = min(bucket, max(pushed))  # so memory where a bucket was written only
     elif own and cfg.run.gpu_memory_gb is not None:  # vLLM beside rank 0 on its GPU: the share it claims
         util = r.vllm.get("gpu_memory_utilization", VLLM_GPU_UTIL)
         parts["rollout engine"] = int(r.engines * util * cfg.run.gpu_memory_gb * GIB)
     return stage, tuple(parts.items())
 
 
-def _total_params(s: Shape) -> int:
+def total_params(s: Shape) -> int:
+    """The model's parameters, every layer and embedding counted once."""
     return sum(stage_params(s, tp=1, pp=1, ep=1, stage=0))
 
 
 def plan_device(cfg) -> str:
-    """"cuda" for a Transformer Engine recipe (TE runs on CUDA only) or where CUDA is present, else "cpu"."""
-    import torch
-
-    return "cuda" if cfg.model.transformer_impl == "te" or torch.cuda.is_available() else "cpu"
+    """"cuda" where the run is on CUDA GPUs (rollout.engine.runs_on_cuda: a Transformer Engine recipe, or CUDA
+    here), else "cpu"."""
+    return "cuda" if runs_on_cuda(cfg) else "cpu"
 
 
 def memory_plan(cfg, world_size: int, device: str | None = None) -> list[RankGroup]:
@@ -234,8 +275,9 @@ def memory_plan(cfg, world_size: int, device: str | None = None) -> list[RankGro
     dp = world_size // (p.tp * p.pp * p.cp)
     s, device = Shape.of(cfg.model), device or plan_device(cfg)
     groups: dict[tuple, RankGroup] = {}
+    pushed = [pushed_bytes(cfg, s, world=world_size, rank=q) for q in range(world_size)]
     for rank in range(world_size):
-        stage, parts = _rank_parts(cfg, s, world=world_size, rank=rank, dp=dp, device=device)
+        stage, parts = _rank_parts(cfg, s, world=world_size, rank=rank, dp=dp, device=device, pushed=pushed)
         g = groups.setdefault((stage, parts), RankGroup([], stage, dict(parts)))
         g.ranks.append(rank)
     return list(groups.values())
@@ -280,5 +322,5 @@ def check_fits(cfg, plan: list[RankGroup]) -> None:
     if worst.total <= limit * GIB:
         return
     name, size = max(worst.parts.items(), key=lambda kv: kv[1])
-    raise ConfigError(f"rank {worst.ranks[0]} needs {worst.total / GIB:.1f} GiB > run.gpu_memory_gb={limit:g}: "
-                      f"{name} {size / GIB:.1f} GiB is the largest part; {FIX[name]}")
+    raise ConfigError(f"rank {worst.ranks[0]} needs {gib(worst.total)} > run.gpu_memory_gb={limit:g}: "
+                      f"{name} {gib(size)} is the largest part; {FIX[name]}")

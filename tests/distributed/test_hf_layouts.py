@@ -6,7 +6,9 @@ synthetic rollouts: a sampler a little behind the trainer) on one process and on
 parallelism, pp=2 and (MoE) ep=2. Every step's metrics match the single process within 2e-4 and
 the export, hf.mapping.to_hf of the gathered state, within 1e-5. The dense model's weight stream
 (rollout/weight_stream.py, buckets of 4 KiB: TP gathered a row block at a time, the second stage's
-sender forwarding to rank 0), assembled on rank 0, is that export bit for bit.
+sender forwarding to rank 0), assembled on rank 0, is that export bit for bit; so is the same stream
+in buckets of 256 MiB, where no rank allocates a bucket larger than the model's bytes (a sender's holds
+what it sends, rank 0's receive buffer the largest other sender's).
 """
 import pytest
 import torch
@@ -21,6 +23,7 @@ LENGTHS = [16, 5, 9, 12, 3, 14, 7, 11]
 METRIC_TOL, EXPORT_TOL = 2e-4, 1e-5
 PER_RANK = {"step/forward_calls", "step/microbatches"}
 BUCKET = 4096  # bytes
+LARGE = 256 << 20  # rollout.sync_bucket_mb's default, far above these models' bytes
 
 
 def make_rollouts(vocab: int, step: int):
@@ -71,20 +74,36 @@ def worker(layout: dict, paths: dict, families):
 
 
 def _streamed(chunks, arch):
-    """(the weight stream assembled into HF tensors: rank 0 only, each bucket's size): dense models only."""
+    """(the weight stream assembled into HF tensors: rank 0 only, each bucket's size, the stream in LARGE
+    buckets assembled (rank 0), the bytes of every bucket buffer this rank allocated in it, its sent_bytes):
+    dense models only."""
     import torch.distributed as dist
 
     from megatron_cispo.hf.mapping import hf_shapes
+    from megatron_cispo.rollout import weight_stream
     from megatron_cispo.rollout.weight_receiver import Staging
-    from megatron_cispo.rollout.weight_stream import hf_namer, stream_buckets
+    from megatron_cispo.rollout.weight_stream import hf_namer, sent_bytes, stream_buckets
     if arch.num_experts:
-        return None, []
+        return None, [], None, [], 0
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
     staging, sizes = Staging(hf_shapes(arch)), []
     for bucket in stream_buckets(chunks, namer=hf_namer(arch), bucket_bytes=BUCKET):
         sizes.append(bucket.data.numel())
         staging.add(bucket.blocks, bucket.data)
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    return (staging.complete() if rank0 else None), sizes
+    large, held, init = Staging(hf_shapes(arch)), [], weight_stream._Packer.__init__
+
+    def packer(self, *a, **k):  # every sender's bucket buffer, yielded on rank 0 or not
+        init(self, *a, **k)
+        held.append(self.data.untyped_storage().nbytes())
+    weight_stream._Packer.__init__ = packer
+    try:
+        for bucket in stream_buckets(chunks, namer=hf_namer(arch), bucket_bytes=LARGE):
+            held.append(bucket.data.untyped_storage().nbytes())  # rank 0's own bucket or its receive buffer
+            large.add(bucket.blocks, bucket.data)
+    finally:
+        weight_stream._Packer.__init__ = init
+    return ((staging.complete() if rank0 else None), sizes, (large.complete() if rank0 else None), held,
+            sent_bytes(chunks, hf_namer(arch)))
 
 
 @pytest.fixture(scope="module")
@@ -107,14 +126,19 @@ def test_three_cispo_steps_match_single_process(hf_models, reference, layout, fa
         moved = max((ref_export[k] - loaded[k]).abs().max().item() for k in loaded)
         assert moved > 100 * EXPORT_TOL, f"{family}: three steps moved no weight by more than {moved:.3g}"
         for rank, res in enumerate(results):
-            metrics, export, streamed, sizes = res[family]
-            if family != "qwen3_moe" and rank == 0:  # the stream is the export, exactly
+            metrics, export, streamed, sizes, large, held, sent = res[family]
+            if family != "qwen3_moe":  # no buffer above what fills it: a sender's sent bytes, the model's at most
+                model = sum(t.numel() * t.element_size() for t in export.values())
+                assert max(held, default=0) <= min(model, LARGE) and (sent == 0) == (held == []), (rank, held, sent)
+                assert set(held) <= {sent} | {r[family][6] for r in results}, (rank, held)
+            if family != "qwen3_moe" and rank == 0:  # the stream is the export, exactly, whatever the bucket
                 assert len(sizes) >= 10 and max(sizes) <= BUCKET, sizes
-                assert set(streamed) == set(export)
+                assert set(streamed) == set(export) == set(large)
                 for name, t in export.items():
                     assert torch.equal(streamed[name], t), f"stream {family} {name}"
+                    assert torch.equal(large[name], t), f"stream in {LARGE}-byte buckets {family} {name}"
             elif family != "qwen3_moe":
-                assert streamed is None and sizes == [], (rank, sizes)  # only rank 0 receives buckets
+                assert streamed is None and large is None and sizes == [], (rank, sizes)  # only rank 0 receives
             for step, (got, want) in enumerate(zip(metrics, ref_metrics)):
                 assert set(got) == set(want), f"{family} step {step}"
                 for key, value in want.items():

@@ -27,6 +27,17 @@ def test_buckets_stay_within_their_size_and_assemble_to_the_tensors_bit_for_bit(
         assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
 
 
+def test_a_bucket_larger_than_the_tensors_allocates_only_their_bytes_and_streams_them_unchanged():
+    t = _tensors()
+    total = sum(v.numel() * v.element_size() for v in t.values())  # 1280 + 32 + 96 bytes
+    staging, buckets = Staging({k: v.shape for k, v in t.items()}), list(tensor_buckets(t, 256 << 20))
+    assert len(buckets) == 1 and buckets[0].data.untyped_storage().nbytes() == total == 1408
+    staging.add(buckets[0].blocks, buckets[0].data)
+    got = staging.complete()
+    for k, v in t.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+
+
 def test_a_push_that_ends_short_or_overfills_or_strays_is_refused_naming_the_tensor():
     t = _tensors()
     manifest = {k: v.shape for k, v in t.items()}
