@@ -199,6 +199,7 @@ class VLLMEngine:
         self._shm = (path, torch.from_file(str(path), shared=True, size=bucket_bytes, dtype=torch.uint8))
         info = {"path": str(path), "nbytes": bucket_bytes, "manifest": {k: tuple(v) for k, v in manifest.items()}}
         self._call("winit", info, "starting the weight transfer engine", self.call_timeout_s, "see the log")
+        path.unlink()  # both sides have mapped it: the name is not needed, and a killed run leaves no file
         return self._shm[1]
 
     def _close_shm(self) -> None:

@@ -242,7 +242,7 @@ def test_routing_replay_rollout_is_refused_at_check_on_a_dense_model_and_with_vl
     assert cfg.loss.routing_replay == "rollout"  # an MoE model whose engine (torch) returns routes
 
 
-def test_the_hf_engine_refuses_a_model_above_its_size_naming_vllm(capsys):
+def test_the_hf_engine_refuses_a_model_above_its_size_naming_vllm(capsys, shipped_env, monkeypatch):
     """EngineSpec.max_params: the hf engine serves up to 4B parameters; Qwen3-8B's config.json (8.2B) is
     refused at --check in one line that names vLLM, and a model under the limit passes the rule."""
     from megatron_cispo.rollout.engine import engine_spec
@@ -256,4 +256,7 @@ def test_the_hf_engine_refuses_a_model_above_its_size_naming_vllm(capsys):
     assert (f"rollout.engine='hf' serves models up to 4B parameters (it gathers the whole model on rank 0 at every "
             f"weight push, rebuilds transformers' copy of it there and generates without a paged KV cache); "
             f"model.hf_path={qwen3_8b} has 8.2B: sample with rollout.engine: vllm") in err
-    assert main(["--check", str(ROOT / "yaml_configs" / "hf_qwen2_tiny.yaml"), "--world-size", "2"]) == 0
+    tiny = ROOT / "yaml_configs" / "hf_qwen2_tiny.yaml"
+    for key, value in shipped_env(tiny).items():  # HF_MODEL: the tiny model its header makes
+        monkeypatch.setenv(key, value)
+    assert main(["--check", str(tiny), "--world-size", "2"]) == 0, capsys.readouterr().err

@@ -160,6 +160,8 @@ def test_a_bucketed_push_makes_the_logprobs_the_new_models_and_a_failed_one_keep
     try:
         info = _push(engine, new)
         assert info["sync/buckets"] >= 10 and info["sync/bytes"] == sum(t.nbytes for t in weights.values())
+        # the shared bucket file is unlinked once both sides map it: a SIGKILLed run leaves nothing in /dev/shm
+        assert engine._shm is not None and not engine._shm[0].exists()
         pushed = gen(engine, PROMPTS, **args)
         _check_against(new, pushed, 20, 0.9)  # the tied head follows the pushed embedding
         short = dict(list(weights.items())[:-1])  # one tensor never arrives
