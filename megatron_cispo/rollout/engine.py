@@ -81,6 +81,7 @@ class EngineStart:
     start_timeout_s: float = 900.0
     call_timeout_s: float = 3600.0
     options: dict = field(default_factory=dict)
+    gpu: Optional[int] = None  # rollout.engine_gpus: the GPU (an index among the node's) an engine process sees
 
 
 @dataclass(frozen=True)
@@ -136,12 +137,13 @@ class EngineSpec:
 ENGINES: dict[str, EngineSpec] = {}
 
 
-def runs_on_cuda(cfg) -> bool:
-    """Whether experiment `cfg` runs on CUDA GPUs: a Transformer Engine recipe (TE runs on CUDA only), or
-    CUDA here. --check of a GPU recipe on a CPU login node then judges it for the GPUs it will run on."""
+def runs_on_cuda(model) -> bool:
+    """Whether a run of `model` (runner.model.ModelConfig) is on CUDA GPUs: a Transformer Engine recipe (TE
+    runs on CUDA only), or CUDA here. --check of a GPU recipe on a CPU login node then judges it for the GPUs
+    it will run on."""
     import torch
 
-    return cfg.model.transformer_impl == "te" or torch.cuda.is_available()
+    return model.transformer_impl == "te" or torch.cuda.is_available()
 
 
 def register_engine(spec: EngineSpec) -> EngineSpec:

@@ -25,6 +25,7 @@ the checkpoint's weights: none lost, none trained twice.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import time
 from dataclasses import replace
@@ -111,23 +112,28 @@ class PromptSampler(EngineWeights, PromptAsync, PromptEval, Sampler):
         """Rank 0: rollout.engine started on model.hf_path's family, fed by update_weights (stream), or
         (rollout.sync=disk) vLLM on the export `model_dir`."""
         from .engine import EngineStart, engine_spec
-        from .vllm_engine import VLLMEngine
+        from .vllm_engine import VLLMEngine, gpu_placement
 
         r = self.cfg
         options = {k: v for k, v in r.vllm.items() if k != "max_model_len"}  # rollout.vllm, checked at --check
+        gpus = r.engine_gpus or [None]
+        if r.engine_gpus and torch.cuda.is_available():  # checked against rank 0's node, said in one line
+            say(gpu_placement(r.engine_gpus, device_count=torch.cuda.device_count(),
+                              local_trainers=int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
         start = EngineStart(model=self.model_cfg, precision=r.precision, seed=self.seed,
                             max_model_len=engine_len(r.vllm, self.model_cfg.seq_length),
                             kept_sets=r.top_k > 0 or r.top_p < 1, log_path=str(self.log),
-                            start_timeout_s=self.limit_s / 2, call_timeout_s=self.limit_s / 2, options=options)
+                            start_timeout_s=self.limit_s / 2, call_timeout_s=self.limit_s / 2, options=options,
+                            gpu=gpus[0])
         if stream and r.pooled:  # replica k logs to vllm.<k>.log beside vllm.log (replica 0)
             log = lambda k: start.log_path if k == 0 else str(self.log.with_name(f"vllm.{k}.log"))  # noqa: E731
-            start_of = lambda k: replace(start, log_path=log(k))  # noqa: E731
+            start_of = lambda k: replace(start, log_path=log(k), gpu=gpus[k] if r.engine_gpus else None)  # noqa: E731
             spec = engine_spec(r.engine)
             if r.placement == "ray":  # GPU bundles where the trainer has CUDA: the engines need GPUs there too
                 from .ray_engines import open_ray_pool
 
-                gpus = int(r.vllm.get("tensor_parallel_size", 1)) if torch.cuda.is_available() else 0
-                self.engine_ = open_ray_pool(spec, start_of, r.engines, address=r.ray_address, gpus_per_engine=gpus,
+                per_engine = int(r.vllm.get("tensor_parallel_size", 1)) if torch.cuda.is_available() else 0
+                self.engine_ = open_ray_pool(spec, start_of, r.engines, address=r.ray_address, gpus_per_engine=per_engine,
                                              on_death=r.on_engine_death, timeout_s=start.start_timeout_s)
             else:
                 from .engine_pool import open_pool
@@ -138,7 +144,8 @@ class PromptSampler(EngineWeights, PromptAsync, PromptEval, Sampler):
         else:
             self.engine_ = VLLMEngine(model_dir, precision=r.precision, seed=self.seed, max_model_len=start.max_model_len,
                                       kept_sets=start.kept_sets, start_timeout_s=start.start_timeout_s,
-                                      call_timeout_s=start.call_timeout_s, log_path=start.log_path, engine_kwargs=options)
+                                      call_timeout_s=start.call_timeout_s, log_path=start.log_path, engine_kwargs=options,
+                                      gpu=start.gpu)
         return {"rollout/engine_start_s": getattr(self.engine_, "start_seconds", 0.0)}
 
     def _sample(self, step: int, prompts, info: Optional[dict] = None) -> Batch:

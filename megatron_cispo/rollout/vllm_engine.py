@@ -74,9 +74,36 @@ def cpu_model_problem(arch, *, cuda: bool) -> str | None:
     return None
 
 
+def visible_device(gpu: int, visible: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for a process that must see the node's GPU `gpu` alone: the gpu-th entry of this
+    process's own CUDA_VISIBLE_DEVICES where that is set (a scheduler's allocation), else `gpu` itself.
+    ValueError (one line) for an index past the GPUs this process sees."""
+    if not visible:
+        return str(gpu)
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    if gpu >= len(ids):
+        raise ValueError(f"rollout.engine_gpus names GPU {gpu}, but CUDA_VISIBLE_DEVICES={visible} gives this node "
+                         f"{len(ids)} GPUs (0..{len(ids) - 1})")
+    return ids[gpu]
+
+
+def gpu_placement(gpus: list[int], *, device_count: int, local_trainers: int) -> str:
+    """rollout.engine_gpus checked at start on rank 0's node, which has `device_count` GPUs and
+    `local_trainers` trainer processes (local rank i on GPU i): one line saying where each replica runs.
+    ValueError (one line) for a GPU the node does not have, naming how many it has."""
+    past = [g for g in gpus if g >= device_count]
+    if past:
+        raise ValueError(f"rollout.engine_gpus={gpus}: GPU {past[0]} is not on rank 0's node, which has {device_count} "
+                         f"(0..{device_count - 1}); {local_trainers} of them train, "
+                         f"{max(0, device_count - local_trainers)} are left over for engines apart")
+    where = [f"replica {k} on GPU {g} ({'colocated with local rank ' + str(g) if g < local_trainers else 'apart'})"
+             for k, g in enumerate(gpus)]
+    return "rollout.engine_gpus: " + ", ".join(where)
+
+
 def start_problem(cfg) -> str | None:
     """rollout.engine=vllm's own refusals at --check: vLLM not installed, a model its build cannot serve."""
-    return vllm_missing() or cpu_model_problem(cfg.model.arch, cuda=runs_on_cuda(cfg))
+    return vllm_missing() or cpu_model_problem(cfg.model.arch, cuda=runs_on_cuda(cfg.model))
 
 
 def _last_error(log: Path) -> str:
@@ -105,11 +132,13 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str, *, precision: str, max_model_len: int, seed: int, kept_sets: bool,
                  start_timeout_s: float = 900.0, call_timeout_s: float = CALL_TIMEOUT_S,
-                 log_path: str | None = None, engine_kwargs: dict | None = None, stream: bool = False):
+                 log_path: str | None = None, engine_kwargs: dict | None = None, stream: bool = False,
+                 gpu: int | None = None):
         """engine_kwargs: more keywords for vllm.LLM (e.g. gpu_memory_utilization on a GPU shared with
         the trainer). The child's stdout and stderr go to log_path (default: a new file in /tmp).
         stream: start on placeholder weights (model_dir needs only config.json) and take weights through
-        vLLM's weight-transfer API (push); otherwise model_dir's weights, and load_weights(dir)."""
+        vLLM's weight-transfer API (push); otherwise model_dir's weights, and load_weights(dir).
+        gpu: the node's GPU the child alone sees (rollout.engine_gpus; None: what this process sees)."""
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
         missing = vllm_missing()
@@ -125,6 +154,8 @@ class VLLMEngine:
             os.close(fd)
         self.log_path = Path(log_path)
         env = {k: v for k, v in os.environ.items() if not _TORCHRUN_ENV.match(k)}
+        if gpu is not None:  # rollout.engine_gpus: the child sees that GPU alone, as its cuda:0
+            env["CUDA_VISIBLE_DEVICES"] = visible_device(gpu, os.environ.get("CUDA_VISIBLE_DEVICES"))
         cfg = {"model_dir": str(Path(model_dir).resolve()), "dtype": PRECISIONS[precision],
                "max_model_len": max_model_len, "seed": seed, "kept_sets": kept_sets,
                "engine_kwargs": dict(engine_kwargs or {}), "stream": stream}
@@ -322,4 +353,4 @@ def open_engine(start: EngineStart) -> VLLMEngine:
     return VLLMEngine(start.model.hf_path, precision=start.precision, seed=start.seed,
                       max_model_len=start.max_model_len, kept_sets=start.kept_sets,
                       start_timeout_s=start.start_timeout_s, call_timeout_s=start.call_timeout_s,
-                      log_path=start.log_path, engine_kwargs=start.options, stream=True)
+                      log_path=start.log_path, engine_kwargs=start.options, stream=True, gpu=start.gpu)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 from ..config import check_field_types, config_field
-from ..rollout.engine import engine_spec
+from ..rollout.engine import engine_spec, runs_on_cuda
 from ..rollout.vllm_options import check_options, engine_length, engine_len
 
 
@@ -63,6 +63,13 @@ class RolloutConfig:
     ray_address: str = config_field(
         "auto", "rollout.placement=ray: the Ray cluster to join (ray.init(address=...)), HOST:PORT of its head; "
         "auto = $RAY_ADDRESS, else the cluster `ray start --head` started on rank 0's node. Checked at --check.")
+    engine_gpus: Optional[list[int]] = config_field(
+        None, "rollout.placement=local on CUDA GPUs: the GPU of each replica, as an index among rank 0's node's "
+        "GPUs (replica k on engine_gpus[k]; its vLLM process sees that GPU alone). A GPU a trainer rank of that "
+        "node also uses (local rank i trains on GPU i) is shared with it, colocated: rollout.vllm."
+        "gpu_memory_utilization must leave the trainer room; any other is the engine's own, apart: launch fewer "
+        "trainer processes per node than it has GPUs. Checked against the node's GPUs at start. null = rank 0's "
+        "own GPU, for one replica (several on CUDA must be listed).")
     on_engine_death: Literal["stop", "restart"] = config_field(
         "stop", "An engine replica whose process dies (rollout.engine: vllm, rollout.sync: stream): stop = the run "
         "stops with one line naming the replica; restart = a fresh replica is started in its place, gets the "
@@ -133,6 +140,8 @@ class RolloutConfig:
                              "step: use rollout.mode: sync")
         if self.engines < 1:
             raise ValueError(f"rollout.engines must be >= 1, got {self.engines}")
+        if self.engine_gpus is not None:
+            self._check_engine_gpus()
         if self.engines > 1 and not spec.replicas:
             raise ValueError(f"rollout.engines={self.engines}: the {self.engine!r} engine runs inside the trainer's "
                              "process, one copy; replicas are engines in their own processes (rollout.engine: vllm)")
@@ -161,6 +170,16 @@ class RolloutConfig:
             raise ValueError(f"rollout.credit='token' needs rollout.reward='per_position', got {self.reward!r}")
         if self.credit == "token" and self.variable_length:
             raise ValueError(f"rollout.credit='token' needs a fixed-length task, got task={self.task!r}")
+
+    def _check_engine_gpus(self) -> None:
+        g = self.engine_gpus
+        if self.placement != "local" or not engine_spec(self.engine).replicas:
+            raise ValueError(f"rollout.engine_gpus places engines in their own processes beside rank 0 (rollout.engine: "
+                             f"vllm, rollout.placement: local); got engine {self.engine!r}, placement {self.placement!r} "
+                             "(Ray places its bundles on the GPUs it was started with)")
+        if len(g) != self.engines or len(set(g)) != len(g) or min(g) < 0:
+            raise ValueError(f"rollout.engine_gpus={g}: expected {self.engines} distinct GPU indices >= 0, one per "
+                             f"replica (rollout.engines={self.engines})")
 
     @property
     def pooled(self) -> bool:
@@ -270,6 +289,10 @@ def check_data_rollout(data: DataConfig, rollout, model) -> None:
     if data.prompts is not None and not spec.prompt_files:
         raise ValueError(f"data.prompts is sampled by vLLM: set rollout.engine: vllm (got {rollout.engine!r}); "
                          "the torch and hf samplers run the synthetic task only")
+    listed = rollout.engine_gpus is not None or rollout.placement != "local"
+    if rollout.engines > 1 and not listed and runs_on_cuda(model):
+        raise ValueError(f"rollout.engines={rollout.engines} on CUDA GPUs would put every replica on rank 0's GPU: "
+                         "give each its GPU in rollout.engine_gpus (e.g. [0, 1]: colocated with local ranks 0 and 1)")
     if rollout.filter_groups and data.prompts is None:
         raise ValueError("rollout.filter_groups drops and refills groups of data.prompts samples (rollout.engine: "
                          "vllm); the synthetic task has no prompt stream to refill from: set it false")

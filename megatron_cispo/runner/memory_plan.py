@@ -252,9 +252,13 @@ def _rank_parts(cfg, s: Shape, *, world: int, rank: int, dp: int, device: str,
         parts["engine update"] = full * b + full * _BYTES[r.precision]  # staging + the new copy
     elif own and device == "cpu" and r.sync == "stream":  # the shared bucket file, mapped by rank 0 too: sparse,
         parts["rollout engine"] = min(bucket, max(pushed))  # so memory where a bucket was written only
-    elif own and cfg.run.gpu_memory_gb is not None:  # vLLM beside rank 0 on its GPU: the share it claims
-        util = r.vllm.get("gpu_memory_utilization", VLLM_GPU_UTIL)
-        parts["rollout engine"] = int(r.engines * util * cfg.run.gpu_memory_gb * GIB)
+    elif spec.overlaps and cfg.run.gpu_memory_gb is not None and r.placement == "local":
+        # vLLM's share of the GPUs it shares with trainer ranks: rank 0's (engine_gpus null), else GPU g of rank
+        # 0's node, where local rank g trains (one process per GPU; a GPU past the world is the engines' own)
+        here = (r.engine_gpus or [0] * r.engines).count(rank)
+        if here:
+            util = r.vllm.get("gpu_memory_utilization", VLLM_GPU_UTIL)
+            parts["rollout engine"] = int(here * util * cfg.run.gpu_memory_gb * GIB)
     return stage, tuple(parts.items())
 
 
@@ -266,7 +270,7 @@ def total_params(s: Shape) -> int:
 def plan_device(cfg) -> str:
     """"cuda" where the run is on CUDA GPUs (rollout.engine.runs_on_cuda: a Transformer Engine recipe, or CUDA
     here), else "cpu"."""
-    return "cuda" if runs_on_cuda(cfg) else "cpu"
+    return "cuda" if runs_on_cuda(cfg.model) else "cpu"
 
 
 def memory_plan(cfg, world_size: int, device: str | None = None) -> list[RankGroup]:
