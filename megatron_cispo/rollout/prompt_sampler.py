@@ -116,7 +116,7 @@ class PromptSampler(EngineWeights, PromptAsync, PromptEval, Sampler):
 
         r = self.cfg
         options = {k: v for k, v in r.vllm.items() if k != "max_model_len"}  # rollout.vllm, checked at --check
-        gpus = r.engine_gpus or [None]
+        gpus = r.engine_gpus or [None] * r.engines  # replica k's GPU (rollout.engine_gpus), None: as the trainer's
         if r.engine_gpus and torch.cuda.is_available():  # checked against rank 0's node, said in one line
             say(gpu_placement(r.engine_gpus, device_count=torch.cuda.device_count(),
                               local_trainers=int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
@@ -127,7 +127,7 @@ class PromptSampler(EngineWeights, PromptAsync, PromptEval, Sampler):
                             gpu=gpus[0])
         if stream and r.pooled:  # replica k logs to vllm.<k>.log beside vllm.log (replica 0)
             log = lambda k: start.log_path if k == 0 else str(self.log.with_name(f"vllm.{k}.log"))  # noqa: E731
-            start_of = lambda k: replace(start, log_path=log(k), gpu=gpus[k] if r.engine_gpus else None)  # noqa: E731
+            start_of = lambda k: replace(start, log_path=log(k), gpu=gpus[k])  # noqa: E731
             spec = engine_spec(r.engine)
             if r.placement == "ray":  # GPU bundles where the trainer has CUDA: the engines need GPUs there too
                 from .ray_engines import open_ray_pool

@@ -249,20 +249,19 @@ def open_ray_pool(spec, start_of: Callable[[int], object], n: int, *, address: s
             signal.signal(signal.SIGTERM, sigterm)
     want = bundles(n, gpus_per_engine)
     pg = placement_group(want, strategy="PACK")
-    try:
-        ray.get(pg.ready(), timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        said = (f"rollout.placement=ray: the Ray cluster at {resolved} could not place {n} engine bundles {want[0]} "
-                f"within {timeout_s:.0f} s; it has {ray.cluster_resources()}")
-        remove_placement_group(pg)
-        if owned:
-            ray.shutdown()
-        raise RuntimeError(said) from None
 
     def after_close() -> None:
         remove_placement_group(pg)
         if owned:
             ray.shutdown()  # this driver's connection; the cluster runs on
+
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        said = (f"rollout.placement=ray: the Ray cluster at {resolved} could not place {n} engine bundles {want[0]} "
+                f"within {timeout_s:.0f} s; it has {ray.cluster_resources()}")
+        after_close()
+        raise RuntimeError(said) from None
 
     def stage(bucket):
         return ray.put(host_copy(bucket))  # once per bucket, every actor reads the same object

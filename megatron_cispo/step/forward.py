@@ -142,12 +142,12 @@ def make_loss_func(loss_cfg: LossConfig, *, temperature: float = 1.0, vocab_size
             return microbatch_loss(loss_cfg, lp, given=g, seq_sum=seq_sum, agg_weight=mb.agg_weight,
                                    agg_share=mb.agg_share, loss_scale=mb.loss_scale)
 
-        seq_sum, local = None, None
-        if mb.agg_weight is not None:
-            seq_sum = _segment_sum(mb.seq_index, mb.n_seqs, group)
-            local = _segment_sum(mb.seq_index, mb.n_seqs, None)  # fused_grad's per-chunk loss: no collective
-        grad_loss = GradLoss(loss_cfg, given, lambda lp, ent: loss_of(lp, ent, local)[0], mb.agg_weight,
-                             mb.loss_scale, old_from_current, 1 if group is None else dist.get_world_size(group))
+        seq_sum = None if mb.agg_weight is None else _segment_sum(mb.seq_index, mb.n_seqs, group)
+        grad_loss = None
+        if head.grad:  # what the head needs to form the gradient per chunk: a segment sum without collective
+            local = None if mb.agg_weight is None else _segment_sum(mb.seq_index, mb.n_seqs, None)
+            grad_loss = GradLoss(loss_cfg, given, lambda lp, ent: loss_of(lp, ent, local)[0], mb.agg_weight,
+                                 mb.loss_scale, old_from_current, 1 if group is None else dist.get_world_size(group))
         scored = score_microbatch(mb, output, head, temperature=temperature, vocab_size=vocab_size,
                                   entropy=want_entropy, tp_group=pg.tp, loss=grad_loss)
         loss, denominator, m = loss_of(scored.lp, scored.ent, seq_sum)
