@@ -56,6 +56,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--check", action="store_true", help="validate the config (and layout), print it, run nothing")
     ap.add_argument("--world-size", type=int, default=None,
                     help="with --check: the number of processes to validate the layout for")
+    ap.add_argument("--nnodes", type=int, default=None,
+                    help="with --check: the nodes they run on (torchrun's --nnodes; default 1), to place the rollout "
+                         "engines on run.gpus_per_node GPUs each")
     return ap.parse_intermixed_args(argv)  # overrides may follow --check/--world-size
 
 
@@ -90,6 +93,32 @@ def _world_size(flag: int | None) -> int:
     return world
 
 
+def _nnodes(flag: int | None, world: int) -> int:
+    """--nnodes, else torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE, else 1."""
+    if flag is not None:
+        return flag
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    return world // local if local > 0 and world % local == 0 else 1
+
+
+def _check_placement(cfg, world: int, nnodes: int) -> str:
+    """The engines' GPUs (rollout/placement.py): ConfigError for what cannot be placed; the comment line saying
+    what was not checked ("" when all was)."""
+    from .rollout.engine import engine_spec, runs_on_cuda
+    from .rollout.placement import gpus_problem
+
+    try:
+        problem = gpus_problem(cfg, world=world, nnodes=nnodes)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if problem:
+        raise ConfigError(problem)
+    if cfg.run.gpus_per_node is None and runs_on_cuda(cfg.model) and engine_spec(cfg.rollout.engine).replicas:
+        return ("# not checked: which GPUs the rollout engines get on each node (set run.gpus_per_node); the run "
+                "checks each node's own at start\n")
+    return ""
+
+
 def _check_sources(cfg) -> str:
     """--check: vLLM installed, data.prompts readable, data.reward importable (rollout.engine: vllm). Returns
     what it could not check, as a comment line ("" when everything was)."""
@@ -112,11 +141,13 @@ def main(argv: list[str] | None = None) -> int:
         load_plugins()  # MEGATRON_CISPO_PLUGINS may register the loss the config names
         cfg = load_experiment(args.config, args.overrides)
         dp = resolve_world(cfg, world)  # load_experiment already ran the config's rules
-        plan = memory_plan(cfg, world)
+        nnodes = _nnodes(args.nnodes, world)
+        placed = _check_placement(cfg, world, nnodes)  # at --check and at start alike
+        plan = memory_plan(cfg, world, nnodes=nnodes)
         check_fits(cfg, plan)  # run.gpu_memory_gb: at --check and at start alike
         if args.check:  # what rank 0 would refuse at start-up, said before any rank starts
             check_run_dir(cfg.run.run_dir, resume=cfg.run.resume, overwrite=cfg.run.overwrite)
-            unchecked = _check_sources(cfg)
+            unchecked = placed + _check_sources(cfg)
     except (ConfigError, PluginImportError) as e:
         return _report(args.config, e)
     if args.check:

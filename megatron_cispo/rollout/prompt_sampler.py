@@ -6,8 +6,8 @@ evaluation prompt_eval.py.
     sampler.push(version, chunks)                                      # after each step: the new version
     batch = sampler.rollouts(step)                                     # collective: rank 0 samples, all get it
 
-Rank 0 runs vLLM in its own process (rollout/vllm_engine.py) and the reward in another
-(rollout/rewards.py); the global batch is broadcast to every rank, which keeps its DP shard. Step t
+Rank 0 runs vLLM in its own process (rollout/vllm_engine.py; rollout.engines > 1: replica k beside node
+k % nodes' first rank, rollout/node_engines.py) and the reward in another (rollout/rewards.py); the global batch is broadcast to every rank, which keeps its DP shard. Step t
 samples with policy version max(0, t - rollout.staleness), loaded into the running engine (prefix
 cache reset) whenever the version changes. rollout.sync=stream streams it in named buckets from one
 rank per stage (rollout/weight_stream.py) through vLLM's weight-transfer API; the lagged versions are
@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from ..base.console import say
 from .engine import Sampling
+from .node_engines import NodeHosts, open_node_pool
 from .prompt_sources import Sources, _pause_for_tests, _seed, eos_ids, open_prompts, rows_to_batch
 from .prompt_async import PromptAsync
 from .prompt_eval import PromptEval
@@ -71,6 +72,9 @@ class PromptSampler(EngineWeights, PromptAsync, PromptEval, Sampler):
         self.limit_s = 0.9 * cfg.run.dist_timeout_s
         self.reward_budget_s = cfg.data.reward_budget_s
         self._init_weights(cfg, rank, rollout_wait_group(cfg.run.dist_timeout_s, self.reward_budget_s))
+        # rollout.engines > 1, local placement: replica k on node k % nodes, hosted there by its first rank
+        spread = cfg.rollout.placement == "local" and cfg.rollout.engines > 1
+        self.hosts = NodeHosts.open(cfg.rollout.engines) if spread else None
         self.log = Path(cfg.run.run_dir) / "vllm.log"    # the engine process's output (appended on a resume)
         self._tmp = Path(cfg.run.run_dir) / "vllm_weights"  # the synced version vLLM reloads (rank 0)
         self.feed = None  # rollout.mode=async, rank 0: the AsyncFeed generating ahead
@@ -117,8 +121,12 @@ class PromptSampler(EngineWeights, PromptAsync, PromptEval, Sampler):
         r = self.cfg
         options = {k: v for k, v in r.vllm.items() if k != "max_model_len"}  # rollout.vllm, checked at --check
         gpus = r.engine_gpus or [None] * r.engines  # replica k's GPU (rollout.engine_gpus), None: as the trainer's
-        if r.engine_gpus and torch.cuda.is_available():  # checked against rank 0's node, said in one line
-            say(gpu_placement(r.engine_gpus, device_count=torch.cuda.device_count(),
+        hosts = self.hosts or NodeHosts(1, {}, None)
+        if hosts.nodes > 1:
+            say("rollout.engines: " + ", ".join(f"replica {k} on {hosts.where(k)}" for k in range(r.engines)))
+        if r.engine_gpus and torch.cuda.is_available():  # rank 0's node's checked here, said in one line (the others'
+            here = [k for k in range(r.engines) if not hosts.node_of(k)]  # by their hosts, at the engine's start)
+            say(gpu_placement([gpus[k] for k in here], device_count=torch.cuda.device_count(), replicas=here,
                               local_trainers=int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
         start = EngineStart(model=self.model_cfg, precision=r.precision, seed=self.seed,
                             max_model_len=engine_len(r.vllm, self.model_cfg.seq_length),
@@ -136,9 +144,7 @@ class PromptSampler(EngineWeights, PromptAsync, PromptEval, Sampler):
                 self.engine_ = open_ray_pool(spec, start_of, r.engines, address=r.ray_address, gpus_per_engine=per_engine,
                                              on_death=r.on_engine_death, timeout_s=start.start_timeout_s)
             else:
-                from .engine_pool import open_pool
-
-                self.engine_ = open_pool(lambda k: spec.open(start_of(k)), r.engines, on_death=r.on_engine_death)
+                self.engine_ = open_node_pool(spec, start_of, r.engines, hosts, on_death=r.on_engine_death)
         elif stream:
             self.engine_ = engine_spec(r.engine).open(start)
         else:
@@ -247,9 +253,9 @@ class PromptSampler(EngineWeights, PromptAsync, PromptEval, Sampler):
         if self.feed is not None:  # first: a generation under way ends with the engine's process
             self.feed.close(kill=self.engine_.kill if self.engine_ is not None else None)
             self.feed = None
-        for part in (self.engine_, self.reward, self.eval_reward):
+        for part in (self.engine_, self.reward, self.eval_reward, self.hosts):
             if part is not None:
                 part.close()
-        self.engine_ = self.reward = self.eval_reward = None
+        self.engine_ = self.reward = self.eval_reward = self.hosts = None
         if self.rank == 0 and self.cfg.sync == "disk":
             shutil.rmtree(self._tmp, ignore_errors=True)

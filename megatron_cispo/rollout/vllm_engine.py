@@ -87,17 +87,19 @@ def visible_device(gpu: int, visible: str | None) -> str:
     return ids[gpu]
 
 
-def gpu_placement(gpus: list[int], *, device_count: int, local_trainers: int) -> str:
-    """rollout.engine_gpus checked at start on rank 0's node, which has `device_count` GPUs and
-    `local_trainers` trainer processes (local rank i on GPU i): one line saying where each replica runs.
-    ValueError (one line) for a GPU the node does not have, naming how many it has."""
+def gpu_placement(gpus: list[int], *, device_count: int, local_trainers: int, node: str = "rank 0's node",
+                  replicas: list[int] | None = None) -> str:
+    """rollout.engine_gpus checked at start on one node (`node`), which has `device_count` GPUs and
+    `local_trainers` trainer processes (local rank i on GPU i): one line saying where each of its replicas
+    (`replicas`, default 0..; replica replicas[i] on gpus[i]) runs. ValueError (one line) for a GPU the node
+    does not have, naming how many it has."""
     past = [g for g in gpus if g >= device_count]
     if past:
-        raise ValueError(f"rollout.engine_gpus={gpus}: GPU {past[0]} is not on rank 0's node, which has {device_count} "
+        raise ValueError(f"rollout.engine_gpus={gpus}: GPU {past[0]} is not on {node}, which has {device_count} "
                          f"(0..{device_count - 1}); {local_trainers} of them train, "
                          f"{max(0, device_count - local_trainers)} are left over for engines apart")
     where = [f"replica {k} on GPU {g} ({'colocated with local rank ' + str(g) if g < local_trainers else 'apart'})"
-             for k, g in enumerate(gpus)]
+             for k, g in zip(replicas if replicas is not None else range(len(gpus)), gpus)]
     return "rollout.engine_gpus: " + ", ".join(where)
 
 

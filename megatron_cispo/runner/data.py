@@ -55,7 +55,8 @@ class RolloutConfig:
         1, "Engine replicas (rollout.engine: vllm): every weight push reaches all of them and each step's prompts "
         "are split across them (rollout/engine_pool.py); the batch is the one a single engine makes.")
     placement: Literal["local", "ray"] = config_field(
-        "local", "Where the replicas run: local = child processes beside rank 0; ray = Ray actors in the existing "
+        "local", "Where the replicas run: local = child processes, replica k beside the first rank of node k % "
+        "nodes (one node: all beside rank 0; rollout/node_engines.py); ray = Ray actors in the existing "
         "Ray cluster at rollout.ray_address, in one placement group of rollout.engines bundles (on GPU each "
         "{GPU: rollout.vllm tensor_parallel_size, CPU: 1}, placed on the GPUs Ray was started with, which "
         "launch/slurm_ray.sbatch keeps apart from the trainer's; on CPU {CPU: 1}); needs the [ray] extra "
@@ -64,11 +65,12 @@ class RolloutConfig:
         "auto", "rollout.placement=ray: the Ray cluster to join (ray.init(address=...)), HOST:PORT of its head; "
         "auto = $RAY_ADDRESS, else the cluster `ray start --head` started on rank 0's node. Checked at --check.")
     engine_gpus: Optional[list[int]] = config_field(
-        None, "rollout.placement=local on CUDA GPUs: the GPU of each replica, as an index among rank 0's node's "
-        "GPUs (replica k on engine_gpus[k]; its vLLM process sees that GPU alone). A GPU a trainer rank of that "
-        "node also uses (local rank i trains on GPU i) is shared with it, colocated: rollout.vllm."
-        "gpu_memory_utilization must leave the trainer room; any other is the engine's own, apart: launch fewer "
-        "trainer processes per node than it has GPUs. Checked against the node's GPUs at start. null = rank 0's "
+        None, "rollout.placement=local on CUDA GPUs: the GPU of each replica, as an index among its node's GPUs "
+        "(replica k runs on node k % nodes, on GPU engine_gpus[k]; its vLLM process sees that GPU alone). A GPU "
+        "a trainer rank of that node also uses (local rank i trains on GPU i) is shared with it, colocated: "
+        "rollout.vllm.gpu_memory_utilization must leave the trainer room; any other is the engine's own, apart: "
+        "launch fewer trainer processes per node than it has GPUs. Replicas on one node need distinct GPUs. "
+        "Checked at --check against run.gpus_per_node and at start against each node's GPUs. null = rank 0's "
         "own GPU, for one replica (several on CUDA must be listed).")
     on_engine_death: Literal["stop", "restart"] = config_field(
         "stop", "An engine replica whose process dies (rollout.engine: vllm, rollout.sync: stream): stop = the run "
@@ -174,11 +176,11 @@ class RolloutConfig:
     def _check_engine_gpus(self) -> None:
         g = self.engine_gpus
         if self.placement != "local" or not engine_spec(self.engine).replicas:
-            raise ValueError(f"rollout.engine_gpus places engines in their own processes beside rank 0 (rollout.engine: "
-                             f"vllm, rollout.placement: local); got engine {self.engine!r}, placement {self.placement!r} "
-                             "(Ray places its bundles on the GPUs it was started with)")
-        if len(g) != self.engines or len(set(g)) != len(g) or min(g) < 0:
-            raise ValueError(f"rollout.engine_gpus={g}: expected {self.engines} distinct GPU indices >= 0, one per "
+            raise ValueError(f"rollout.engine_gpus places engines in their own processes beside trainer ranks "
+                             f"(rollout.engine: vllm, rollout.placement: local); got engine {self.engine!r}, placement "
+                             f"{self.placement!r} (Ray places its bundles on the GPUs it was started with)")
+        if len(g) != self.engines or min(g) < 0:
+            raise ValueError(f"rollout.engine_gpus={g}: expected {self.engines} GPU indices >= 0, one per "
                              f"replica (rollout.engines={self.engines})")
 
     @property

@@ -109,8 +109,16 @@ class RunConfig:
         "`train --check` prints: runner/memory_plan.py) exceeds it is refused at --check and at start, naming "
         "the largest part; null = no check.")
 
+    gpus_per_node: Optional[int] = config_field(
+        None, "GPUs on each node (8 on an H100 or H200 node). With it `train --check` places the rollout engines "
+        "(rollout/placement.py) on the job's nodes (--nnodes; the launch scripts pass torchrun's) beside their "
+        "world_size / nnodes trainer processes, and refuses in one line an engine on a GPU a node lacks or more "
+        "Ray engines than the GPUs left over; null = the nodes' GPUs are checked at start only.")
+
     def __post_init__(self) -> None:
         check_field_types(self)
+        if self.gpus_per_node is not None and self.gpus_per_node < 1:
+            raise ValueError(f"run.gpus_per_node must be >= 1, or null, got {self.gpus_per_node}")
         if self.gpu_memory_gb is not None and not 0 < self.gpu_memory_gb < math.inf:
             raise ValueError(f"run.gpu_memory_gb must be finite and > 0 (GiB), or null, got {self.gpu_memory_gb}")
         for name, low in (("steps", 0), ("log_interval", 1), ("checkpoint_interval", 0), ("eval_interval", 0),

@@ -139,11 +139,13 @@ def assert_metrics_close(a: list[dict], b: list[dict], *, steps: int, atol: floa
 class Job:
     """torchrun in its own session, output to files (a pipe could fill and stall it)."""
 
-    def __init__(self, tmp_path: Path, nproc: int, args: list[str]):
+    def __init__(self, tmp_path: Path, nproc: int, args: list[str], *, nnodes: int = 1, node_rank: int = 0,
+                 port: int | None = None):
+        """nnodes > 1: this node's torchrun (node_rank), all nodes' on the same `port` of 127.0.0.1."""
         self.out, self.err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+        cmd = torchrun_cmd(nproc, args, nnodes=nnodes, node_rank=node_rank, port=port or free_port())
         with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.proc = subprocess.Popen(torchrun_cmd(nproc, args, port=free_port()), cwd=ROOT, env=env(),
-                                         stdout=out, stderr=err, start_new_session=True)
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=out, stderr=err, start_new_session=True)
 
     def workers(self) -> dict[int, int]:
         """{rank: pid} of the workers torchrun started (its children, each with RANK in its env)."""

@@ -42,6 +42,15 @@ def _world_size(words: list[str]) -> int:
     return 4  # launch/single_node.sh and demo.sh default on CPU
 
 
+def _nnodes(words: list[str]) -> int:
+    """The nodes the command runs on, as the launch scripts hand them to --check (torchrun's --nnodes)."""
+    env_vars = dict(w.split("=", 1) for w in words if re.match(r"^[A-Z_]+=", w))
+    for flag in ("--nnodes", "--nodes"):  # train --check's and torchrun's; sbatch's
+        if flag in words:
+            return int(words[words.index(flag) + 1])
+    return int(env_vars.get("NNODES", "1"))
+
+
 def test_the_docs_show_commands():
     assert len(COMMANDS) >= 15, COMMANDS  # the parser found the documented commands
 
@@ -74,7 +83,7 @@ def test_documented_yaml_run_passes_check_at_its_world_size(doc, cmd, shipped_en
     for key, value in shipped_env(ROOT / config).items():
         monkeypatch.setenv(key, value)
     capsys.readouterr()
-    code = main(["--check", config, *overrides, "--world-size", str(world)])
+    code = main(["--check", config, *overrides, "--world-size", str(world), "--nnodes", str(_nnodes(words))])
     out, err = capsys.readouterr()
     if importlib.util.find_spec("vllm") is None and load_experiment(config, overrides).rollout.engine == "vllm":
         # this environment has no vLLM (the second megatron-core tier): --check says so, in one line

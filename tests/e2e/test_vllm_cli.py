@@ -29,6 +29,7 @@ import pytest
 
 from e2e_helpers import ROOT, Job, killed_after_step_2, metrics, ranks
 from megatron_cispo.runner import checkpoint
+from megatron_cispo.testing import free_port
 
 YAML = str(ROOT / "yaml_configs" / "vllm_qwen2_tiny.yaml")
 if importlib.util.find_spec("vllm") is None:
@@ -244,6 +245,41 @@ def test_a_replica_killed_mid_run_with_on_engine_death_restart_is_replaced_on_th
     assert (recs[-1]["rollout/engine0_prompts"], recs[-1]["rollout/engine1_prompts"]) == (10, 10)
     said = [ln for ln in job.output().splitlines() if "engine replica 1 died in" in ln]
     assert len(said) == 1 and "restarting it on the current weights" in said[0], job.output()[-3000:]
+
+
+def test_two_replicas_on_two_nodes_each_beside_its_node_s_first_rank_and_one_killed_is_restarted_there(
+        model, tmp_path):
+    """Two torchrun "nodes" of one rank each on 127.0.0.1, rollout.engines=2, local placement: replica 0 runs
+    beside rank 0, replica 1 beside node 1's rank 1 (its vLLM process is rank 1's child), weights reaching it
+    over its host's socket. Replica 1's process is SIGKILLed after step 2 (rollout.on_engine_death=restart):
+    node 1 starts a fresh one, the run goes on; every step's ratio within 1e-4 of 1, both replicas serve."""
+    run_dir, port = tmp_path / "run", free_port()
+    args = [YAML, f"model.hf_path={model}", f"run.run_dir={run_dir}", "run.steps=5",
+            f"data.reward={model.parent / 'spread.py'}:spread", *FAST, "rollout.engines=2",
+            "rollout.on_engine_death=restart"]
+    jobs = []
+    try:
+        for node in (0, 1):
+            (tmp_path / f"node{node}").mkdir()
+            jobs.append(Job(tmp_path / f"node{node}", 1, args, nnodes=2, node_rank=node, port=port))
+        jobs[0].wait_for_steps(run_dir, 2, timeout=300)
+        here, there = _engine_children(jobs[0].workers()[0]), _engine_children(jobs[1].workers()[1])
+        assert len(here) == 1 and len(there) == 1, (here, there)
+        os.kill(there[0], signal.SIGKILL)
+        for job in jobs:
+            assert job.proc.wait(timeout=300) == 0, job.output()[-3000:]
+    finally:
+        for job in jobs:
+            job.kill()
+    recs = metrics(run_dir)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5]
+    assert all(_off_one(r) <= 1e-4 for r in recs), [_off_one(r) for r in recs]
+    assert recs[-1]["rollout/engine_restarts"] == 1
+    assert (recs[-1]["rollout/engine0_prompts"], recs[-1]["rollout/engine1_prompts"]) == (10, 10)
+    out = jobs[0].output()
+    assert "rollout.engines: replica 0 on node 0 (rank 0), replica 1 on node 1 (rank 1)" in out, out[-3000:]
+    said = [ln for ln in out.splitlines() if "engine replica 1 died in" in ln]
+    assert len(said) == 1 and "on node 1 (rank 1)" in said[0], out[-3000:]
 
 
 def test_top_p_0_9_on_tp2_sp_untied_replays_vllms_kept_sets_ratio_still_1_and_evaluates_held_out_prompts(
