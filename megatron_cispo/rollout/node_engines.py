@@ -1,148 +1,33 @@
-"""rollout.placement: local on several nodes: engine replica k runs on node k % nodes, a child process of that
-node's first trainer rank, which serves it to rank 0's pool (engine_pool.EnginePool) over a socket.
+"""rollout.placement: local on several nodes: engine replica k runs on node k % nodes (rollout/placement.py), a
+child process of that node's first trainer rank, which serves it to rank 0's pool (engine_pool.EnginePool) over a
+socket (node_host.py).
 
     hosts = NodeHosts.open(rollout.engines)                    # collective, every rank: the nodes, who hosts what
     pool = open_node_pool(spec, start_of, n, hosts, on_death="stop")   # rank 0: local and remote replicas
     hosts.close()                                              # every rank, at the end
 
-Replicas on rank 0's node are rank 0's child processes, as on one node. On node j > 0 its first rank runs a
-NodeHost: a thread that accepts rank 0's connections (multiprocessing.connection, authenticated by a key the
-host makes and sends to rank 0 in the set-up's all_gather), one connection per replica opened; the
-connection's thread opens the engine (its process dies with that thread and with the trainer) and answers
-each call. A weight bucket crosses the socket as raw bytes, received straight into the engine's shared
-bucket file, so no node holds more than a bucket beyond the engine. Every call waits at most the engine's
-timeout; a dead engine, node or connection is one ReplicaError line, never a hang. model.hf_path and
-run.run_dir must be on a file system every node sees (the engine opens the one and logs to the other).
+Replicas on rank 0's node are rank 0's child processes, as on one node. A replica on node j > 0 is a NodeEngine
+here: a connection to node j's NodeHost (multiprocessing.connection, authenticated by a key the host makes and
+sends to rank 0 in the set-up's all_gather), which opens the engine there and answers each call. A weight
+bucket crosses the socket as raw bytes, read on node j straight into the engine's shared bucket file, so no
+node holds more than a bucket beyond the engine. Every call waits at most the engine's timeout; a dead engine,
+node or connection is one ReplicaError line, never a hang. model.hf_path and run.run_dir must be on a file
+system every node sees (the engine opens the one and logs to the other).
 """
 from __future__ import annotations
 
-import os
 import socket
-import threading
 import time
-from multiprocessing.connection import Client, Listener
+from multiprocessing.connection import Client
 from typing import Callable, Optional
 
-import torch
 import torch.distributed as dist
 
 from .child import cause
 from .engine_pool import open_pool
-from .ray_engines import EngineHost, ReplicaError
-from .weight_stream import Bucket
-
-KEY_BYTES = 32  # each host's authentication key: only rank 0, which got it in the set-up's all_gather, connects
-
-
-def node_key() -> str:
-    """This process's node: torchrun's node rank (GROUP_RANK), else Slurm's (SLURM_NODEID), else the host name."""
-    for name in ("GROUP_RANK", "SLURM_NODEID"):
-        if os.environ.get(name):
-            return f"{name}={os.environ[name]}"
-    return socket.gethostname()
-
-
-def reachable_ip() -> str:
-    """The address of this node's interface toward MASTER_ADDR (the one its peers reach it on), else its host name's."""
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((master, 9))  # a UDP "connect" sends nothing: it only picks the route
-            return s.getsockname()[0]
-        except OSError:
-            return socket.gethostbyname(socket.gethostname())
-
-
-class NodeHost:
-    """Serves engines of this node to rank 0: one thread per connection, each opening one engine and answering
-    its calls (EngineHost's ("ok", value) | ("error", line, alive)) until rank 0 closes it."""
-
-    def __init__(self, node: int):
-        self.node, self.rank, self.key = node, dist.get_rank() if dist.is_initialized() else 0, os.urandom(KEY_BYTES)
-        self._listener = Listener((reachable_ip(), 0), authkey=self.key)
-        self.address = self._listener.address
-        self._engines: list[EngineHost] = []
-        self._lock, self._closed = threading.Lock(), False
-        threading.Thread(target=self._accept, daemon=True, name="cispo-engine-host").start()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn = self._listener.accept()
-            except Exception:  # noqa: BLE001 - closed (the loop ends) or a peer that failed the key (ignored)
-                continue
-            threading.Thread(target=self._serve, args=(conn,), daemon=True, name="cispo-engine-conn").start()
-
-    def _serve(self, conn) -> None:
-        host, update = None, None
-        try:
-            spec, start = conn.recv()
-            try:
-                _check_gpu(start.gpu)
-                host = EngineHost(spec, start)
-            except Exception as e:  # noqa: BLE001 - answered as a line: rank 0 decides
-                conn.send(("error", cause(e), False))
-                return
-            with self._lock:
-                self._engines.append(host)
-            conn.send(("ok", host.start_seconds))
-            while True:
-                method, args = conn.recv()
-                if method == "begin_update":
-                    update = [*args, None]  # (manifest, bucket_bytes, the bucket buffer of an engine without one)
-                elif method == "add_bucket":
-                    args = self._received(conn, host.engine, update, *args)
-                conn.send(host.call(method, *args) if args is not None else ("error", "no weight update begun", True))
-                if method == "close":
-                    return
-        except (EOFError, OSError):  # rank 0 closed the connection, or is gone: the engine goes too
-            pass
-        finally:
-            if host is not None:
-                with self._lock:
-                    if host in self._engines:
-                        self._engines.remove(host)
-                host.close()
-            conn.close()
-
-    @staticmethod
-    def _received(conn, engine, update: Optional[list], blocks, index: int) -> Optional[tuple]:
-        """The bucket that follows an add_bucket call, read from the socket into the engine's shared bucket file
-        (VLLMEngine.buffer), or into one bucket of host memory kept for the update for an engine without one:
-        add_bucket's args (None when no update was begun)."""
-        if update is None:
-            conn.recv_bytes()  # drained, so the next message is read whole
-            return None
-        manifest, bucket_bytes, own = update
-        packed = getattr(engine, "buffer", None)
-        try:
-            buf = packed(manifest, bucket_bytes) if packed else own
-        except Exception:  # noqa: BLE001 - a dead engine: drained into host memory, its error comes from the call
-            buf = None
-        if buf is None:
-            buf = update[2] = torch.empty(bucket_bytes, dtype=torch.uint8)
-        n = conn.recv_bytes_into(memoryview(buf.numpy()))
-        return Bucket(blocks, buf[:n]), index
-
-    def close(self) -> None:
-        """Stop accepting and end every engine served (their processes are killed: rank 0 is done with them)."""
-        self._closed = True
-        self._listener.close()
-        with self._lock:
-            engines, self._engines = self._engines, []
-        for host in engines:
-            kill = getattr(host.engine, "kill", None)
-            if kill is not None:
-                kill()
-
-
-def _check_gpu(gpu: Optional[int]) -> None:
-    """rollout.engine_gpus on a host node: the GPU must be one of this node's (vllm_engine.gpu_placement)."""
-    if gpu is not None and torch.cuda.is_available():
-        from .vllm_engine import gpu_placement
-
-        gpu_placement([gpu], device_count=torch.cuda.device_count(),
-                      local_trainers=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), node="its node")
+from .node_host import NodeHost, node_key, raw_socket
+from .placement import replica_node
+from .ray_engines import ReplicaError
 
 
 class NodeEngine:
@@ -154,6 +39,7 @@ class NodeEngine:
         self.k, self.where = k, where
         self.call_timeout_s, self.start_timeout_s = start.call_timeout_s, start.start_timeout_s
         self._conn, self._alive, self.start_seconds = Client(address, authkey=key), True, 0.0
+        self._raw = raw_socket(self._conn)  # the buckets' bytes (raw_socket says why)
         self._conn.send((spec, start))
 
     def wait_started(self) -> "NodeEngine":
@@ -184,7 +70,7 @@ class NodeEngine:
         try:
             self._conn.send((method, args))
             if payload is not None:
-                self._conn.send_bytes(payload)
+                self._raw.sendall(payload)
         except OSError as e:
             self.kill()
             raise ReplicaError(f"the connection to {self.where} was lost while {what} ({cause(e)})") from None
@@ -195,8 +81,9 @@ class NodeEngine:
 
     def add_bucket(self, bucket, index: int = 0):
         """The bucket's bytes go over the socket as they are (a CUDA bucket through one host copy)."""
-        data = bucket.data.detach().reshape(-1).cpu().numpy()
-        return self._call("add_bucket", f"receiving weight bucket {index}", bucket.blocks, index, payload=data)
+        data = memoryview(bucket.data.detach().reshape(-1).cpu().numpy())
+        return self._call("add_bucket", f"receiving weight bucket {index}", bucket.blocks, index, len(data),
+                          payload=data)
 
     def finish_update(self) -> None:
         self._call("finish_update", "loading the streamed weights")
@@ -227,8 +114,7 @@ class NodeEngine:
         conn, self._alive = self._conn, False
         if conn is not None:
             try:
-                with socket.socket(fileno=os.dup(conn.fileno())) as s:
-                    s.shutdown(socket.SHUT_RDWR)
+                self._raw.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
 
@@ -243,6 +129,7 @@ class NodeEngine:
         except (EOFError, OSError):
             pass
         conn.close()
+        self._raw.close()
         self._alive = False
 
 
@@ -267,7 +154,7 @@ class NodeHosts:
         order = sorted(first, key=first.get)
         nodes, me = len(order), dist.get_rank()
         mine = order.index(keys[me])
-        hosting = mine > 0 and first[keys[me]] == me and any(k % nodes == mine for k in range(engines))
+        hosting = mine > 0 and first[keys[me]] == me and any(replica_node(k, nodes) == mine for k in range(engines))
         server = NodeHost(mine) if hosting else None
         infos: list = [None] * len(keys)
         dist.all_gather_object(infos, (mine, server.address, server.key) if server else None)
@@ -275,7 +162,7 @@ class NodeHosts:
         return cls(nodes, hosts, server)
 
     def node_of(self, k: int) -> int:
-        return k % self.nodes
+        return replica_node(k, self.nodes)
 
     def where(self, k: int) -> str:
         node = self.node_of(k)

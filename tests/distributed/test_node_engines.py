@@ -3,7 +3,8 @@ GROUP_RANK), 3 fake replicas. Replica k runs on node k % 2: 0 and 2 in rank 0's 
 1's first rank), reached over its host's socket. Every push reaches all three, bit for bit, a bucket crossing
 the socket into the remote engine's own buffer; the prompts are split across them; a remote replica that dies
 in a generation is restarted on node 1 on the last push (rollout.on_engine_death: restart); one that refuses
-a bucket aborts the push everywhere, named with its node; one that hangs is cut at its call timeout.
+a bucket, or is sent one past the update's bucket_bytes (drained, the connection stays in step), aborts the
+push everywhere, named with its node; one that hangs is cut at its call timeout.
 tests/e2e/test_vllm_cli.py runs two vLLM replicas on two torchrun "nodes".
 """
 import os
@@ -113,6 +114,10 @@ def worker(tmp):
             refusing.update_weights(_buckets([8, 8]), manifest={}, bucket_bytes=8)
         except RuntimeError as e:
             out["refused"] = str(e)
+        try:  # a bucket past the update's bucket_bytes: the host drains it and the connection stays in step
+            refusing.update_weights(_buckets([4000]), manifest={}, bucket_bytes=8)
+        except RuntimeError as e:
+            out["too_big"] = str(e)
         out["after_refusal"] = refusing.generate([[0], [1]], Sampling(n=1, max_new_tokens=1, seeds=[0, 5]))
         refusing.close()
 
@@ -146,6 +151,8 @@ def test_three_replicas_on_two_nodes_get_every_push_serve_their_share_and_fail_i
     assert r0["restarts"] == [0, 1, 0] and r0["served"] == [4, 4, 4]
     assert r0["refused"].startswith("engine replica 1: receiving weight bucket 1 failed on node 1 (rank 2): "
                                     "ValueError: bucket 1 refused"), r0["refused"]
+    assert r0["too_big"].startswith("engine replica 1: receiving weight bucket 0 failed on node 1 (rank 2): no weight "
+                                    "update begun, or a bucket past its bucket_bytes"), r0["too_big"]
     assert [c[0].token_ids[:2] for c in r0["after_refusal"]] == [[sum(range(8)), 8]] * 2  # both on the last push
     assert r0["hung"].startswith("engine replica 1: generating 1 prompts x 1 took more than 1 s on node 1 (rank 2)")
     assert r0["hung_s"] < 20, r0["hung_s"]
