@@ -2,15 +2,18 @@
 all of them, each step's prompts are split across them.
 
     pool = open_pool(lambda k: open_engine(start_k), 2, on_death="restart")   # local child processes
-    pool.update_weights(buckets, manifest=..., bucket_bytes=n)   # each bucket to every replica, all or nothing
+    pool.update_weights(buckets, manifest=..., bucket_bytes=n)   # each bucket to every replica at once, all or nothing
     out = pool.generate(prompts, sampling)                       # replica k samples its share, in parallel
 
-A push begins an update on every replica, hands each bucket to each in turn (the stream is read once;
-`stage` makes a bucket shareable once for all of them: Ray's ray.put, ray_engines.py) and finishes them
-all; a stream that fails partway aborts the update everywhere, so no replica is left on a mix.
+A push begins an update on every replica, hands each bucket to all of them at once and finishes them all,
+each step on the pool's threads (one per replica; they only call replicas, never start one) and waiting
+for every replica, so N replicas take about one's time. The stream is read once, in the calling thread,
+bucket i+1 once every replica has loaded bucket i (its memory is reused); `stage` makes a bucket shareable
+once for all of them (Ray's ray.put, ray_engines.py). A failing replica or stream aborts the update on
+every replica, once none is mid-call, so none is left on a mix.
 generate() gives replica k a contiguous share of the prompts with their own seeds (sample j of prompt i
 is keyed by seeds[i] + j wherever it runs), so the batch is the one a single engine makes, and runs the
-shares on threads (each replica is its own process; the calls wait on pipes or on Ray).
+shares on the same threads (each replica is its own process; the calls wait on pipes or on Ray).
 
 A replica that fails or dies (rollout.on_engine_death):
   stop    the call fails with the replica's own one-line error, naming it: the run stops there.
@@ -83,22 +86,25 @@ class EnginePool:
         self._threads = ThreadPoolExecutor(max_workers=len(self.engines), thread_name_prefix="cispo-engine")
 
     def update_weights(self, buckets: Iterable, *, manifest: dict, bucket_bytes: int) -> dict:
-        t0, nbytes, count, at = time.perf_counter(), 0, 0, None
+        t0, nbytes, count = time.perf_counter(), 0, 0
         dead: dict[int, Exception] = {}  # restart: replicas that died in this push, replaced after it
         keep = [] if self.on_death == "restart" else None
 
         def each(call) -> None:
-            nonlocal at
-            for at, e in enumerate(self.engines):
-                if at in dead:
+            """call(e) on every replica still in this push, at once; returns when all have answered (so none
+            is mid-call when the update is aborted), raising the first replica's failure that stops it."""
+            jobs = [(k, e, self._threads.submit(call, e)) for k, e in enumerate(self.engines) if k not in dead]
+            failed = None  # (k, its error): the first replica, in order, whose failure stops the push
+            for k, e, job in jobs:
+                err = job.exception()  # waits for replica k
+                if err is None:
                     continue
-                try:
-                    call(e)
-                except Exception as err:
-                    if self.on_death != "restart" or _alive(e):
-                        raise
-                    dead[at] = err
-            at = None  # a failure of the stream itself names no replica
+                if self.on_death == "restart" and not _alive(e):
+                    dead[k] = err
+                elif failed is None:
+                    failed = (k, err)
+            if failed is not None:
+                raise RuntimeError(f"engine replica {failed[0]}: {failed[1]}") from failed[1]
 
         try:
             each(lambda e: e.begin_update(manifest, bucket_bytes))
@@ -109,15 +115,13 @@ class EnginePool:
                 each(lambda e: e.add_bucket(item, count))
                 nbytes, count = nbytes + bucket.data.numel(), count + 1
             each(lambda e: e.finish_update())
-        except BaseException as err:
+        except BaseException:  # a replica's failure (named by each()) or the stream's own, raised as it is
             for e in self.engines:  # the replicas not finished keep their previous weights
                 try:
                     e.abort_update()
                 except Exception:  # noqa: BLE001 - a dead replica: its own error is the one to report
                     pass
-            if at is None or not isinstance(err, Exception):
-                raise
-            raise RuntimeError(f"engine replica {at}: {err}") from err
+            raise
         if keep is not None:
             self._last = (manifest, bucket_bytes, keep)
         for k, err in dead.items():  # they get this push, now complete

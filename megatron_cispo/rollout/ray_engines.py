@@ -2,7 +2,7 @@
 protocol, so engine_pool.EnginePool drives it as it drives local child processes.
 
     pool = open_ray_pool(spec, lambda k: start_k, 2, address="auto", gpus_per_engine=0, on_death="stop")
-    pool.update_weights(buckets, manifest=..., bucket_bytes=n)   # each bucket ray.put once, read by every actor
+    pool.update_weights(buckets, manifest=..., bucket_bytes=n)   # each bucket ray.put once, read by all actors at once
     out = pool.generate(prompts, sampling)                        # actor k samples its share
 
 The replicas sit in one placement group of n bundles, bundle k holding replica k (bundles()). On a GPU

@@ -5,10 +5,15 @@ A replica that dies: rollout.on_engine_death=stop fails the call in one line nam
 (reopen(k)), pushes it the last complete push's buckets again, staged once, and retries its share, so the
 batch is the one a healthy pool makes; a dead replica in a push is replaced after the push with that push;
 a replica that refuses a call but lives, or a retry that fails again, stops the run. Each bucket is
-staged once (Ray: one ray.put) however many replicas read it. tests/e2e/test_vllm_cli.py kills a real
-replica's process mid-run with both settings, tests/e2e/test_ray_engines.py runs two Ray actors.
+staged once (Ray: one ray.put) however many replicas read it. A push reaches the replicas at once (slow
+fakes: every replica loads bucket i together, on the pool's threads, and bucket i+1 is read after), and a
+replica or stream failing in it aborts every replica once none is mid-call. tests/e2e/test_vllm_cli.py
+kills a real replica's process mid-run with both settings, tests/e2e/test_ray_engines.py runs two Ray actors.
 """
 import socket
+import threading
+import time
+from typing import NamedTuple, Optional
 
 import pytest
 import torch
@@ -64,15 +69,49 @@ class Fake:
         self.closed = True
 
 
+SLOW_S = 0.2  # how long a Slow replica takes to load one bucket
+
+
+class Event(NamedTuple):
+    who: Optional[int]  # the replica, or None: the stream handing out a bucket
+    what: object  # the bucket's index, or "abort"
+    thread: str
+    start: float
+    end: float
+
+
+class Slow(Fake):
+    """A replica whose add_bucket takes SLOW_S and dies in bucket `dies_at`; its loads and aborts go to `log`."""
+
+    def __init__(self, k: int, log: list, dies_at=None):
+        super().__init__(k)
+        self.log, self.dies_at = log, dies_at
+
+    def add_bucket(self, bucket, index=0):
+        start = time.perf_counter()
+        time.sleep(SLOW_S)
+        try:
+            if index == self.dies_at:
+                self.die_in.add("add_bucket")
+            super().add_bucket(bucket, index)
+        finally:
+            self.log.append(Event(self.k, index, threading.current_thread().name, start, time.perf_counter()))
+
+    def abort_update(self):
+        now = time.perf_counter()
+        self.log.append(Event(self.k, "abort", threading.current_thread().name, now, now))
+        super().abort_update()
+
+
 def _buckets(values):
     return [Bucket([], torch.tensor([v], dtype=torch.uint8)) for v in values]
 
 
-def _pool(n=2, on_death="stop", stage=None):
+def _pool(n=2, on_death="stop", stage=None, make=Fake):
     opened = []
 
     def open_one(k):
-        opened.append(Fake(k))
+        opened.append(make(k))
         return opened[-1]
 
     return open_pool(open_one, n, on_death=on_death, stage=stage), opened
@@ -142,6 +181,75 @@ def test_restart_still_stops_on_a_live_refusal_or_a_second_death(what, says):
     with pytest.raises(RuntimeError) as e:
         pool.generate(PROMPTS, SAMPLING)
     assert str(e.value).startswith(says) and "\n" not in str(e.value)
+
+
+def _read(values, log):
+    """A stream of `values` that logs when it hands out each bucket."""
+    for i, bucket in enumerate(_buckets(values)):
+        now = time.perf_counter()
+        log.append(Event(None, i, threading.current_thread().name, now, now))
+        yield bucket
+
+
+def test_a_push_hands_each_bucket_to_every_replica_at_once_and_reads_the_next_once_all_have_loaded_it():
+    log = []
+    pool, opened = _pool(make=lambda k: Slow(k, log))
+    t0 = time.perf_counter()
+    pool.update_weights(_read([1, 2, 3], log), manifest={}, bucket_bytes=1)
+    took = time.perf_counter() - t0
+    assert [r.weights for r in opened] == [6, 6]
+    assert took < 5 * SLOW_S, f"2 replicas x 3 buckets took {took:.2f} s: one after another takes {6 * SLOW_S:.1f} s"
+    for i in range(3):
+        (read,) = [ev for ev in log if ev.who is None and ev.what == i]
+        loads = [ev for ev in log if ev.who is not None and ev.what == i]
+        assert read.thread == "MainThread" and sorted(ev.who for ev in loads) == [0, 1]
+        assert max(ev.start for ev in loads) < min(ev.end for ev in loads), f"bucket {i}: the replicas took turns"
+        assert len({ev.thread for ev in loads}) == 2 and all(ev.thread.startswith("cispo-engine") for ev in loads)
+        if i:  # bucket i is read once every replica has loaded bucket i - 1
+            assert read.start >= max(ev.end for ev in log if ev.who is not None and ev.what == i - 1)
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_a_replica_failing_in_a_concurrent_push_aborts_every_replica_once_none_is_mid_call_and_is_named(k):
+    log = []
+    pool, opened = _pool(make=lambda j: Slow(j, log))
+    pool.update_weights(_buckets([4, 5]), manifest={}, bucket_bytes=1)  # the previous weights: 9
+    log.clear()
+    opened[k].refuse.add("add_bucket")  # alive: the run stops, whatever on_engine_death says
+    with pytest.raises(RuntimeError) as e:
+        pool.update_weights(_buckets([1, 2, 3]), manifest={}, bucket_bytes=1)
+    assert str(e.value) == f"engine replica {k}: add_bucket refused"
+    assert [r.weights for r in opened] == [9, 9] and [r.pending for r in opened] == [None, None]
+    loads, aborts = [ev for ev in log if ev.what != "abort"], [ev for ev in log if ev.what == "abort"]
+    assert sorted((ev.who, ev.what) for ev in loads) == [(0, 0), (1, 0)]  # bucket 0 reached both, no bucket after
+    assert sorted(ev.who for ev in aborts) == [0, 1]
+    assert min(ev.start for ev in aborts) >= max(ev.end for ev in loads)  # aborted once neither was mid-call
+
+
+def test_a_stream_failing_partway_aborts_every_replica_and_raises_its_own_error():
+    pool, opened = _pool()
+    pool.update_weights(_buckets([4, 5]), manifest={}, bucket_bytes=1)
+
+    def broken():
+        yield from _buckets([1])
+        raise OSError("the stream broke")
+
+    with pytest.raises(OSError, match="^the stream broke$"):
+        pool.update_weights(broken(), manifest={}, bucket_bytes=1)
+    assert [r.weights for r in opened] == [9, 9] and [r.pending for r in opened] == [None, None]
+
+
+def test_restart_replaces_a_replica_dead_mid_push_after_the_push_in_the_calling_thread():
+    log, openers = [], []
+    pool, opened = _pool(on_death="restart", make=lambda k: openers.append(threading.current_thread()) or Slow(k, log))
+    opened[1].dies_at = 1
+    pool.update_weights(_buckets([1, 2, 3]), manifest={}, bucket_bytes=1)
+    assert len(opened) == 3 and opened[1].dead and pool.engines[1] is opened[2]
+    assert [r.weights for r in pool.engines] == [6, 6] and pool.restarts == [0, 1]
+    assert all(t is threading.main_thread() for t in openers)  # no pool thread starts a replica
+    assert [ev.what for ev in log if ev.who == 0] == [0, 1, 2]  # replica 0 went on without it
+    assert pool.generate(PROMPTS, SAMPLING) == [[Completion([6, p[0], s], [0.0] * 3, "length")]
+                                                for p, s in zip(PROMPTS, SAMPLING.seeds)]
 
 
 def test_a_pool_refuses_an_unknown_death_policy_and_restart_without_reopen():
