@@ -17,10 +17,13 @@ shares on the same threads (each replica is its own process; the calls wait on p
 
 A replica that fails or dies (rollout.on_engine_death):
   stop    the call fails with the replica's own one-line error, naming it: the run stops there.
-  restart a dead replica is replaced by a fresh one (opened in the calling thread), which gets the last
-          complete push again (the pool keeps its staged buckets: a host copy of the weights, or Ray's
-          object refs) and then the failed call's share; a second failure of the same call stops the run.
-          A replica that refused a call but is alive still stops it (a fresh one would refuse it too).
+  restart a dead replica is replaced by a fresh one (opened in the calling thread). With other replicas,
+          the fresh one joins at the next complete push and until then the others generate its share (the
+          dead one's share of a generation is retried on them: the same samples, keyed by their seeds), so
+          nothing is kept. A pool of one keeps the last complete push's staged buckets (a host copy of the
+          weights, or Ray's object refs) and gives them to its fresh replica before retrying. A second failure
+          of the same call, every replica dead at once, or a replica that refused a call but lives (a fresh
+          one would refuse it too) stops the run.
 """
 from __future__ import annotations
 
@@ -68,7 +71,7 @@ class EnginePool:
     def __init__(self, engines: list, *, reopen: Optional[Callable[[int], object]] = None, on_death: OnDeath = "stop",
                  stage: Optional[Callable] = None, after_close: Optional[Callable[[], None]] = None):
         """reopen(k): a fresh replica k (on_death=restart). stage(bucket) -> what every replica's add_bucket
-        gets (default: the bucket itself; with restart a host copy, kept until the next push completes).
+        gets (default: the bucket itself; a pool of one with restart: a host copy, kept until the next push).
         after_close: run once after the replicas are closed (Ray: the placement group removed)."""
         if not engines:
             raise ValueError("an engine pool needs at least one engine")
@@ -81,14 +84,16 @@ class EnginePool:
         self.restarts = [0] * len(self.engines)  # fresh replicas started in place of dead ones
         self.start_seconds = sum(getattr(e, "start_seconds", 0.0) for e in self.engines)
         self.on_death, self._reopen, self._after_close = on_death, reopen, after_close
-        self._stage = stage or (host_copy if on_death == "restart" else (lambda b: b))
-        self._last: Optional[tuple] = None  # restart: (manifest, bucket_bytes, staged buckets) of the last push
+        self._keeps = on_death == "restart" and len(self.engines) == 1  # no other replica can stand in for it
+        self._stage = stage or (host_copy if self._keeps else (lambda b: b))
+        self._last: Optional[tuple] = None  # a pool of one, restart: (manifest, bucket_bytes, staged buckets)
+        self._ready = [True] * len(self.engines)  # on the last complete push (a fresh replica: at the next one)
         self._threads = ThreadPoolExecutor(max_workers=len(self.engines), thread_name_prefix="cispo-engine")
 
     def update_weights(self, buckets: Iterable, *, manifest: dict, bucket_bytes: int) -> dict:
         t0, nbytes, count = time.perf_counter(), 0, 0
         dead: dict[int, Exception] = {}  # restart: replicas that died in this push, replaced after it
-        keep = [] if self.on_death == "restart" else None
+        keep = [] if self._keeps else None
 
         def each(call) -> None:
             """call(e) on every replica still in this push, at once; returns when all have answered (so none
@@ -122,51 +127,82 @@ class EnginePool:
                 except Exception:  # noqa: BLE001 - a dead replica: its own error is the one to report
                     pass
             raise
+        if len(dead) == len(self.engines) > 1:
+            k, err = next(iter(dead.items()))
+            raise RuntimeError(f"engine replica {k}: every replica died in a weight push ({err})") from err
         if keep is not None:
             self._last = (manifest, bucket_bytes, keep)
-        for k, err in dead.items():  # they get this push, now complete
+        self._ready = [k not in dead for k in range(len(self.engines))]
+        for k, err in dead.items():  # a pool of one: the fresh replica gets this push, now complete
             self._restart(k, err, "a weight push")
         return {"sync/seconds": time.perf_counter() - t0, "sync/bytes": float(nbytes), "sync/buckets": float(count)}
 
-    def shares(self, n: int) -> list[range]:
-        """Contiguous prompt ranges, one per replica, as even as n allows (the first get one more)."""
-        k, extra = divmod(n, len(self.engines))
+    @staticmethod
+    def split(indices: list[int], replicas: list[int]) -> list[tuple[int, list[int]]]:
+        """(replica, its contiguous part of `indices`) for each replica, as even as they allow (the first get one
+        more); replicas with nothing to do are left out."""
+        k, extra = divmod(len(indices), len(replicas))
         out, at = [], 0
-        for i in range(len(self.engines)):
+        for i, r in enumerate(replicas):
             size = k + (i < extra)
-            out.append(range(at, at + size))
+            if size:
+                out.append((r, indices[at:at + size]))
             at += size
         return out
 
     def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
-        jobs = []
-        for i, share in enumerate(self.shares(len(prompts))):
-            if len(share):
-                part = dataclasses.replace(sampling, seeds=[sampling.seeds[j] for j in share])
-                mine = [prompts[j] for j in share]
-                jobs.append((i, share, mine, part, self._threads.submit(self.engines[i].generate, mine, part)))
+        """Each replica on the current weights generates its share at once; with restart, the share of one
+        that died is retried (module docstring)."""
         out: list = [None] * len(prompts)
-        for i, share, mine, part, job in jobs:
-            try:
-                got = job.result()
-            except Exception as err:
-                if self.on_death != "restart" or _alive(self.engines[i]):
-                    raise RuntimeError(f"engine replica {i}: {err}") from err
-                self._restart(i, err, f"generating {len(share)} prompts")
-                try:
-                    got = self.engines[i].generate(mine, part)
-                except Exception as again:
-                    raise RuntimeError(f"engine replica {i}: restarted after it died, its retry of {len(share)} "
-                                       f"prompts failed too: {again}") from again
-            self.served[i] += len(share)
-            for j, completions in zip(share, got):
-                out[j] = completions
+        ready = [k for k, on in enumerate(self._ready) if on]
+        if not ready:  # every replica died in the last push, which raised then: nothing to sample with
+            raise RuntimeError("no engine replica holds the current weights")
+        failed = self._run(self.split(list(range(len(prompts))), ready), prompts, sampling, out)
+        if not failed:
+            return out
+        for k, share, err in failed:
+            if self.on_death != "restart" or _alive(self.engines[k]):
+                raise RuntimeError(f"engine replica {k}: {err}") from err
+        lost = [j for _, share, _ in failed for j in share]
+        for k, share, err in failed:
+            self._restart(k, err, f"generating {len(share)} prompts")
+        stand_in = [k for k, on in enumerate(self._ready) if on]  # the survivors, or a pool of one's fresh replica
+        if not stand_in:
+            raise RuntimeError(f"engine replica {failed[0][0]}: every replica died generating ({failed[0][2]}); none "
+                               "holds the current weights to retry their prompts")
+        again = self._run(self.split(lost, stand_in), prompts, sampling, out)
+        if again:
+            k, share, err = again[0]
+            raise RuntimeError(f"engine replica {k}: its retry of {len(share)} prompts after replica "
+                               f"{failed[0][0]} died failed too: {err}") from err
         return out
 
+    def _run(self, parts: list[tuple[int, list[int]]], prompts, sampling: Sampling, out: list) -> list[tuple]:
+        """Replica k generates prompts `share` for each (k, share) in parts, all at once; their completions go to
+        out[j]. Returns the failures, [(k, share, error)], in replica order."""
+        jobs = []
+        for k, share in parts:
+            part = dataclasses.replace(sampling, seeds=[sampling.seeds[j] for j in share])
+            jobs.append((k, share, self._threads.submit(self.engines[k].generate, [prompts[j] for j in share], part)))
+        failed = []
+        for k, share, job in jobs:
+            try:
+                got = job.result()
+            except Exception as err:  # noqa: BLE001 - judged by the caller, after every share has answered
+                failed.append((k, share, err))
+                continue
+            self.served[k] += len(share)
+            for j, completions in zip(share, got):
+                out[j] = completions
+        return failed
+
     def _restart(self, k: int, err: Exception, what: str) -> None:
-        """rollout.on_engine_death=restart: replica k died in `what`; a fresh one, on the last complete push."""
-        say(f"engine replica {k} died in {what} ({err}); restarting it on the current weights "
-            "(rollout.on_engine_death: restart)")
+        """rollout.on_engine_death=restart: replica k died in `what`; a fresh one in its place, on the last
+        complete push in a pool of one, else waiting for the next push (not ready until then)."""
+        joins = "on the current weights" if self._keeps else "it rejoins at the next weight push, the other replicas " \
+            "taking its prompts until then"
+        say(f"engine replica {k} died in {what} ({err}); restarting it: {joins} (rollout.on_engine_death: restart)")
+        self._ready[k] = False
         try:
             self.engines[k].close()
         except Exception:  # noqa: BLE001 - it is dead; what matters is the fresh one
@@ -180,6 +216,7 @@ class EnginePool:
                 for i, item in enumerate(staged):
                     fresh.add_bucket(item, i)
                 fresh.finish_update()
+                self._ready[k] = True
         except Exception as again:
             raise RuntimeError(f"engine replica {k}: died ({err}) and its restart failed: {again}") from again
         self.restarts[k] += 1

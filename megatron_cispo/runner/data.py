@@ -74,10 +74,12 @@ class RolloutConfig:
         "own GPU, for one replica (several on CUDA must be listed).")
     on_engine_death: Literal["stop", "restart"] = config_field(
         "stop", "An engine replica whose process dies (rollout.engine: vllm, rollout.sync: stream): stop = the run "
-        "stops with one line naming the replica; restart = a fresh replica is started in its place, gets the "
-        "current weights again (the pool keeps the last push: a host copy of the weights on rank 0, or Ray's "
-        "object store) and retries the failed call's share; a second failure of that call stops the run "
-        "(rollout/engine_restarts counts them).")
+        "stops with one line naming the replica; restart = a fresh replica is started in its place. With "
+        "rollout.engines > 1 the other replicas generate the dead one's share (the same samples: each prompt "
+        "has its own seed) and the fresh one rejoins at the next weight push, so nothing is kept; a single "
+        "engine gets the last push again (kept for this: a host copy of the weights on rank 0, or Ray's object "
+        "store) and retries. A second failure of that call, or every replica dead at once, stops the run "
+        "(rollout/engine_restarts counts the restarts).")
     mode: Literal["sync", "async"] = config_field(
         "sync", "sync = the engine samples step t's batch when the trainer asks, with policy version max(0, t - "
         "staleness): an exact, reproducible lag (tests, the demo table). async = rollout.engine=vllm generates the "

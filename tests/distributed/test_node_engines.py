@@ -1,8 +1,9 @@
 """rollout.engines on several nodes (rollout/node_engines.py): 4 gloo ranks as 2 "nodes" of 2 (torchrun's
 GROUP_RANK), 3 fake replicas. Replica k runs on node k % 2: 0 and 2 in rank 0's process, 1 in rank 2's (node
 1's first rank), reached over its host's socket. Every push reaches all three, bit for bit, a bucket crossing
-the socket into the remote engine's own buffer; the prompts are split across them; a remote replica that dies
-in a generation is restarted on node 1 on the last push (rollout.on_engine_death: restart); one that refuses
+the socket into the remote engine's own buffer; the prompts are split across them; the share of a remote replica
+that dies in a generation goes to the others and a fresh one, started on node 1, joins at the next push
+(rollout.on_engine_death: restart); one that refuses
 a bucket, or is sent one past the update's bucket_bytes (drained, the connection stays in step), aborts the
 push everywhere, named with its node; one that hangs is cut at its call timeout.
 tests/e2e/test_vllm_cli.py runs two vLLM replicas on two torchrun "nodes".
@@ -101,10 +102,13 @@ def worker(tmp):
         info = pool.update_weights(_buckets(sizes), manifest={}, bucket_bytes=1000)
         sampling = Sampling(n=1, max_new_tokens=1, seeds=[0, 10, 20, 30, 40, 50])
         first = pool.generate([[i] for i in range(6)], sampling)
-        flag.touch()  # replica 1 dies in its next generation: restarted on node 1, on the last push
+        flag.touch()  # replica 1 dies in its next generation: its share goes to 0 and 2, a fresh one starts on node 1
         second = pool.generate([[i] for i in range(6)], sampling)
-        out.update(where=[hosts.where(k) for k in range(3)], sync=info, first=first, second=second,
-                   expected=_expected(sizes), restarts=list(pool.restarts), served=list(pool.served))
+        served = list(pool.served)
+        pool.update_weights(_buckets(sizes), manifest={}, bucket_bytes=1000)  # the fresh replica 1 joins
+        third = pool.generate([[i] for i in range(6)], sampling)
+        out.update(where=[hosts.where(k) for k in range(3)], sync=info, first=first, second=second, third=third,
+                   expected=_expected(sizes), restarts=list(pool.restarts), served=[served, list(pool.served)])
         pool.close()
 
         refusing = open_node_pool(FAKE, lambda k: replace(start, options={"refuse_bucket": 1} if k == 1 else {}), 2,
@@ -142,13 +146,15 @@ def test_three_replicas_on_two_nodes_get_every_push_serve_their_share_and_fail_i
     r0 = ranks[0]
     assert r0["where"] == ["node 0 (rank 0)", "node 1 (rank 2)", "node 0 (rank 0)"]
     assert r0["sync"]["sync/bytes"] == 1081 and r0["sync"]["sync/buckets"] == 3
-    for batch in (r0["first"], r0["second"]):
+    here, there = ranks[0]["pid"], ranks[2]["pid"]
+    for batch, pids in ((r0["first"], [here] * 2 + [there] * 2 + [here] * 2), (r0["second"], [here] * 6),
+                        (r0["third"], [here] * 2 + [there] * 2 + [here] * 2)):
         rows = [c[0].token_ids for c in batch]
         assert [row[:4] for row in rows] == [[*r0["expected"], i, 10 * i] for i in range(6)]  # every replica: the push
-        pids = [row[4] for row in rows]  # shares of 2 prompts: replica 0, 1, 2
-        assert pids == [ranks[0]["pid"]] * 2 + [ranks[2]["pid"]] * 2 + [ranks[0]["pid"]] * 2
-        assert rows[2][5] == 1  # the remote replica read each bucket in one place: its buffer, reused
-    assert r0["restarts"] == [0, 1, 0] and r0["served"] == [4, 4, 4]
+        assert [row[4] for row in rows] == pids  # shares of 2 prompts: replica 0, 1, 2 (second: 1's went to 0 and 2)
+        if pids[2] == there:  # the remote replica read each bucket in one place: its own buffer, reused
+            assert rows[2][5] == 1
+    assert r0["restarts"] == [0, 1, 0] and r0["served"] == [[5, 2, 5], [7, 4, 7]]
     assert r0["refused"].startswith("engine replica 1: receiving weight bucket 1 failed on node 1 (rank 2): "
                                     "ValueError: bucket 1 refused"), r0["refused"]
     assert r0["too_big"].startswith("engine replica 1: receiving weight bucket 0 failed on node 1 (rank 2): no weight "

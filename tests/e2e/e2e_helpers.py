@@ -178,3 +178,9 @@ class Job:
                     os.kill(pid, signal.SIGKILL)  # SIGKILL also ends a stopped worker
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+
+def served_per_step(recs: list[dict]) -> list[tuple[int, int]]:
+    """(replica 0's, replica 1's) prompts in each step, from the running totals rollout/engine<k>_prompts."""
+    totals = [(0, 0)] + [(int(r["rollout/engine0_prompts"]), int(r["rollout/engine1_prompts"])) for r in recs]
+    return [(a - pa, b - pb) for (pa, pb), (a, b) in zip(totals, totals[1:])]

@@ -6,8 +6,8 @@ and only here: starting one costs seconds and memory, so CI pays for it once. Wi
 vLLM, fp32, sync mode and staleness 0 every step's CISPO ratio pi_theta / pi_rollout is within 1e-4 of 1
 (each push reached both actors through the object store) and both replicas served their half of the
 prompts; with rollout.on_engine_death=restart, replica 1's actor SIGKILLed after step 2 is replaced by a
-fresh actor in its bundle, on the current weights (the ratio stays at 1), and its vLLM process dies with
-the old actor. Joining keeps the run's SIGTERM handler (ray.init replaces it), a live replica's refusal
+fresh actor in its bundle that rejoins at the next push, replica 0 serving that step alone (the ratio
+stays at 1), and its vLLM process dies with the old actor. Joining keeps the run's SIGTERM handler (ray.init replaces it), a live replica's refusal
 is one line, closing removes the placement group but leaves a connection the process had before, and
 bundles the cluster cannot place stop the start in one line naming what it has.
 Skipped without ray unless CISPO_REQUIRE_RAY=1 (then it fails): CI's tier 1 installs it (RAY=1).
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e_helpers import ROOT, metrics, ranks
+from e2e_helpers import ROOT, metrics, ranks, served_per_step
 
 YAML = str(ROOT / "yaml_configs" / "vllm_qwen2_tiny.yaml")
 for _name, _how in (("ray", "RAY=1 bash launch/setup_env.sh"), ("vllm", "VLLM=1 bash launch/setup_env.sh")):
@@ -157,8 +157,8 @@ def test_two_ray_actors_serve_half_the_prompts_each_the_ratio_is_1_and_a_killed_
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
     assert all(r["grad_norm"] > 0 for r in recs), [r["grad_norm"] for r in recs]
     assert all(_off_one(r) <= 1e-4 for r in recs), [_off_one(r) for r in recs]
-    assert [(r["rollout/engine0_prompts"], r["rollout/engine1_prompts"]) for r in recs] == [(2, 2), (4, 4), (6, 6),
-                                                                                           (8, 8)]
+    served = served_per_step(recs)  # replica 0 serves one step alone: the fresh actor rejoins at the next push
+    assert served[:2] == [(2, 2)] * 2 and sorted(served[2:]) == [(2, 2), (4, 0)], served
     assert all(r["sync/buckets"] >= 10 for r in recs)
     restarts = [r["rollout/engine_restarts"] for r in recs]  # the kill is met at step 3's push or generate, or later
     assert restarts[1] == 0 and restarts[-1] == 1, restarts

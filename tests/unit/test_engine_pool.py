@@ -132,55 +132,87 @@ def test_stop_fails_the_call_in_one_line_naming_the_dead_replica():
     assert len(opened) == 2  # nothing restarted
 
 
-def test_restart_replaces_a_replica_dead_in_generate_with_the_current_weights_and_retries_its_share(capsys):
+def test_restart_gives_a_dead_replica_s_share_to_the_others_and_the_fresh_one_joins_at_the_next_push(capsys):
     staged = []
     pool, opened = _pool(on_death="restart", stage=lambda b: staged.append(b) or b)
     pool.update_weights(_buckets([1, 2]), manifest={}, bucket_bytes=1)
     pool.update_weights(_buckets([4, 5]), manifest={}, bucket_bytes=1)  # the current weights: 9
-    assert len(staged) == 4  # once per bucket, not once per replica
+    assert len(staged) == 4 and pool._last is None  # once per bucket, not per replica; nothing kept with 2 replicas
     opened[1].die_in.add("generate")
-    assert pool.generate(PROMPTS, SAMPLING) == HEALTHY
-    assert len(opened) == 3 and opened[1].closed and pool.engines[1] is opened[2] and opened[2].weights == 9
-    assert pool.info() == {"rollout/engine0_prompts": 2.0, "rollout/engine1_prompts": 2.0,
+    assert pool.generate(PROMPTS, SAMPLING) == HEALTHY  # replica 0 made replica 1's samples too: the same ones
+    assert len(opened) == 3 and opened[1].closed and pool.engines[1] is opened[2] and opened[2].weights is None
+    assert pool.info() == {"rollout/engine0_prompts": 4.0, "rollout/engine1_prompts": 0.0,
                            "rollout/engine_restarts": 1.0}
+    assert pool.generate(PROMPTS, SAMPLING) == HEALTHY and pool.served == [8, 0]  # not on any weights yet
+    pool.update_weights(_buckets([4, 5]), manifest={}, bucket_bytes=1)
+    assert opened[2].weights == 9 and pool.generate(PROMPTS, SAMPLING) == HEALTHY and pool.served == [10, 2]
     said = capsys.readouterr().err.strip().splitlines()
     assert len(said) == 1 and said[0].startswith("engine replica 1 died in generating 2 prompts (process died")
+    assert said[0].endswith("restarting it: it rejoins at the next weight push, the other replicas taking its "
+                            "prompts until then (rollout.on_engine_death: restart)")
 
 
-def test_restart_after_a_death_in_a_push_gives_the_fresh_replica_that_push():
+def test_restart_after_a_death_in_a_push_lets_the_others_sample_until_the_next_push():
     pool, opened = _pool(on_death="restart")
     pool.update_weights(_buckets([1, 2]), manifest={}, bucket_bytes=1)
     opened[0].die_in.add("add_bucket")
     pool.update_weights(_buckets([4, 5]), manifest={}, bucket_bytes=1)
-    assert [e.weights for e in pool.engines] == [9, 9] and pool.engines[0] is opened[2]
-    assert pool.generate(PROMPTS, SAMPLING) == HEALTHY
+    assert [e.weights for e in pool.engines] == [None, 9] and pool.engines[0] is opened[2]
+    assert pool.generate(PROMPTS, SAMPLING) == HEALTHY and pool.served == [0, 4]
+    pool.update_weights(_buckets([4, 5]), manifest={}, bucket_bytes=1)
+    assert [e.weights for e in pool.engines] == [9, 9]
 
 
-def test_restart_copies_the_buckets_to_the_host_since_the_stream_reuses_their_memory():
-    pool, opened = _pool(on_death="restart")
+def test_a_pool_of_one_restarts_on_a_host_copy_of_the_last_push_since_the_stream_reuses_its_memory(capsys):
+    pool, opened = _pool(n=1, on_death="restart")
     shared = torch.tensor([4], dtype=torch.uint8)
     pool.update_weights([Bucket([], shared)], manifest={}, bucket_bytes=1)
     shared.fill_(100)  # the stream's next bucket overwrites the same bytes
-    opened[1].die_in.add("generate")
-    pool.generate(PROMPTS, SAMPLING)
-    assert opened[2].weights == 4
+    opened[0].die_in.add("generate")
+    assert [c[0].token_ids[0] for c in pool.generate(PROMPTS, SAMPLING)] == [4] * 4
+    assert opened[1].weights == 4 and pool.served == [4] and pool.restarts == [1]
+    assert "restarting it: on the current weights" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("what,says", [
-    ("refuse", "engine replica 1: generate refused"),  # alive: a fresh replica would refuse it too
-    ("twice", "engine replica 1: restarted after it died, its retry of 2 prompts failed too: process died"),
+class DiesSecond(Fake):
+    """A replica that serves its first generation and dies in its second (a retry it was handed)."""
+
+    def generate(self, prompts, sampling):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == 2:
+            self.die_in.add("generate")
+        return super().generate(prompts, sampling)
+
+
+@pytest.mark.parametrize("n, what, says", [
+    (2, "refuse", "engine replica 1: generate refused"),  # alive: a fresh replica would refuse it too
+    (2, "twice", "engine replica 0: its retry of 2 prompts after replica 1 died failed too: process died"),
+    (1, "twice", "engine replica 0: its retry of 4 prompts after replica 0 died failed too: process died"),
+    (2, "all", "engine replica 0: every replica died generating (process died while generate); none holds"),
 ])
-def test_restart_still_stops_on_a_live_refusal_or_a_second_death(what, says):
-    pool, opened = _pool(on_death="restart")
+def test_restart_still_stops_on_a_live_refusal_a_second_death_or_all_dead(n, what, says):
+    pool, opened = _pool(n=n, on_death="restart", make=lambda k: DiesSecond(k) if k == 0 and n == 2 else Fake(k))
     pool.update_weights(_buckets([4, 5]), manifest={}, bucket_bytes=1)
     if what == "refuse":
         opened[1].refuse.add("generate")
-    else:
-        opened[1].die_in.add("generate")
-        pool._reopen = lambda k: (opened.append(Fake(k)), opened[-1].die_in.add("generate"), opened[-1])[-1]
+    elif what == "all":
+        for e in opened:
+            e.die_in.add("generate")
+    else:  # replica n - 1 dies; its stand-in (replica 0, or a pool of one's fresh replica) dies in the retry
+        opened[-1].die_in.add("generate")
+        if n == 1:
+            pool._reopen = lambda k: (opened.append(Fake(k)), opened[-1].die_in.add("generate"), opened[-1])[-1]
     with pytest.raises(RuntimeError) as e:
         pool.generate(PROMPTS, SAMPLING)
     assert str(e.value).startswith(says) and "\n" not in str(e.value)
+
+
+def test_every_replica_dead_in_one_push_stops_the_push_in_one_line():
+    pool, opened = _pool(on_death="restart")
+    for e in opened:
+        e.die_in.add("add_bucket")
+    with pytest.raises(RuntimeError, match=r"^engine replica 0: every replica died in a weight push \(process died"):
+        pool.update_weights(_buckets([4]), manifest={}, bucket_bytes=1)
 
 
 def _read(values, log):
@@ -245,11 +277,12 @@ def test_restart_replaces_a_replica_dead_mid_push_after_the_push_in_the_calling_
     opened[1].dies_at = 1
     pool.update_weights(_buckets([1, 2, 3]), manifest={}, bucket_bytes=1)
     assert len(opened) == 3 and opened[1].dead and pool.engines[1] is opened[2]
-    assert [r.weights for r in pool.engines] == [6, 6] and pool.restarts == [0, 1]
+    assert [r.weights for r in pool.engines] == [6, None] and pool.restarts == [0, 1]
     assert all(t is threading.main_thread() for t in openers)  # no pool thread starts a replica
     assert [ev.what for ev in log if ev.who == 0] == [0, 1, 2]  # replica 0 went on without it
     assert pool.generate(PROMPTS, SAMPLING) == [[Completion([6, p[0], s], [0.0] * 3, "length")]
                                                 for p, s in zip(PROMPTS, SAMPLING.seeds)]
+    assert pool.served == [4, 0]  # the fresh replica 1 waits for the next push
 
 
 def test_a_pool_refuses_an_unknown_death_policy_and_restart_without_reopen():
