@@ -24,7 +24,12 @@ own process (vLLM) has its share on rank 0 left out, as the shared bucket file i
 torch. vllm_qwen2_tiny runs with data.max_prompt_tokens set to its files' longest prompt (which refuses no
 prompt), so the plan bounds its rows as the run has them instead of by model.seq_length. Also printed: the
 peak resident-set growth of the whole run (VmHWM minus VmRSS before the run), which counts only touched pages
-plus what is not a tensor (gloo, megatron's set-up, Python objects). Not a test: nothing here is asserted.
+plus what is not a tensor (gloo, megatron's set-up, Python objects); after the table, for a prompt-file config
+the last step's widest row against the plan's bound on it (memory_parts.row_tokens), and for an MoE config
+whose ranks form one EP group, the routed copies each rank's experts received in every MoE layer call of the
+last step, as a multiple of their balanced share (the EP group's tokens x top-k / ep), which is what the plan
+takes (runner/memory_parts.expert_skew: the dropless dispatcher has no bound below ep x min(top-k, local
+experts) / top-k). Not a test: nothing here is asserted.
 """
 from __future__ import annotations
 
@@ -77,6 +82,22 @@ def _allocator_totals(prof) -> list[tuple[int, int]]:
         if node.typed[0] == _EventType.Allocation and node.typed[1].device.type == "cpu":
             out.append((node.start_time_ns, node.typed[1].total_allocated))
     return sorted(out)
+
+
+def _count_routing(calls: list) -> None:
+    """Append (time ns, "in", tokens) for every MoE layer call (the tokens this rank routes) and (time ns,
+    "experts", rows) for every call of its local experts (the routed copies they receive: megatron's
+    SequentialMLP input, which the alltoall dispatcher fills without a capacity)."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    def counted(kind, fn, rows):
+        def wrapped(self, x, *a, **k):
+            calls.append((time.time_ns(), kind, rows(x)))
+            return fn(self, x, *a, **k)
+        return wrapped
+    MoELayer.forward = counted("in", MoELayer.forward, lambda x: x.shape[0] * x.shape[1])
+    SequentialMLP.forward = counted("experts", SequentialMLP.forward, lambda x: x.shape[0])
 
 
 def _storage_bytes(tensors) -> int:
@@ -142,6 +163,7 @@ def worker(config: str, out: str, overrides: list[str]) -> None:
     def stepped(*a, **k):
         res = timed("train", policy_step)(*a, **k)
         static.update(_static(held["chunks"], held["optimizer"]))
+        static["row"] = a[2].tokens.shape[1] - 1  # the batch's widest row, in targets (its rows are padded to it)
         return res
 
     step_pkg.policy_step = stepped
@@ -149,6 +171,8 @@ def worker(config: str, out: str, overrides: list[str]) -> None:
     model_mod.build_optimizer = keep("optimizer", model_mod.build_optimizer)
     for cls in (TaskSampler, PromptSampler):
         cls.rollouts = timed("sync", cls.rollouts)
+    routing: list = []
+    _count_routing(routing)
     rss0 = _status_kib("VmRSS")
     _count_every_thread()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -162,8 +186,10 @@ def worker(config: str, out: str, overrides: list[str]) -> None:
         return max([v for t, v in timeline if t0 <= t <= t1] + before)
 
     rank = int(os.environ["RANK"])
+    _, t0, t1 = [w for w in windows if w[0] == "train"][-1]
+    routed = {kind: [n for t, k, n in routing if k == kind and t0 <= t <= t1] for kind in ("in", "experts")}
     result = {"rank": rank, "train": peak("train"), "sync": peak("sync"), "whole": max(v for _, v in timeline),
-              "static": static, "rss_growth": (hwm - rss0) * 1024}
+              "static": static, "rss_growth": (hwm - rss0) * 1024, "routed": routed}
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
 
 
@@ -216,10 +242,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from megatron_cispo.runner.experiment import load_experiment
     from megatron_cispo.rollout.engine import engine_spec
+    from megatron_cispo.runner.memory_parts import row_tokens
     from megatron_cispo.runner.memory_plan import PHASE, memory_plan
 
     print("| config | ranks | part | predicted MiB | measured MiB | measured / predicted |")
     print("|---|---|---|---:|---:|---:|")
+    notes = []
     for config in args.configs:
         if config in TINY:
             _make_tiny(config)
@@ -247,7 +275,26 @@ def main(argv: list[str] | None = None) -> int:
                 ratio = f"{lo / want:.3f}" + ("" if hi == lo else f"-{hi / want:.3f}") if want else "-"
                 ranks = ",".join(map(str, g.ranks))
                 print(f"| {config} | {ranks} | {part} | {want / MIB:.3f} | {span} | {ratio} |", flush=True)
+        if cfg.data.prompts is not None:  # rows as long as the completions: the plan takes the longest possible
+            notes.append(f"{config}: the last step's widest row {measured[0]['static']['row']} targets; the plan's "
+                         f"bound {row_tokens(cfg)} (the longest prompt + rollout.max_new_tokens - 1)")
+        if cfg.model.num_moe_experts and cfg.parallelism.ep == world:  # every rank in the one EP group
+            notes.append(f"{config}: {_routing_note(measured, cfg.model.moe_router_topk, world)}")
+    for note in notes:
+        print(note)
     return 0
+
+
+def _routing_note(measured: list[dict], topk: int, ep: int) -> str:
+    """Per rank, the routed copies its experts received in the last step's layer calls (microbatch x layer),
+    as a multiple of their balanced share (the EP group's tokens x top-k / ep): the range over the calls."""
+    share = [sum(ns) * topk / ep for ns in zip(*(m["routed"]["in"] for m in measured))]
+    out = []
+    for m in sorted(measured, key=lambda m: m["rank"]):
+        ratios = [n / s for n, s in zip(m["routed"]["experts"], share)]
+        out.append(f"rank {m['rank']} {min(ratios):.2f}-{max(ratios):.2f}")
+    return "routed tokens at each rank's experts / their balanced share, per layer call of the last step: " + \
+        ", ".join(out)
 
 
 if __name__ == "__main__":

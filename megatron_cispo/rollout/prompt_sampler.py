@@ -6,15 +6,16 @@ evaluation prompt_eval.py.
     sampler.push(version, chunks)                                      # after each step: the new version
     batch = sampler.rollouts(step)                                     # collective: rank 0 samples, all get it
 
-Rank 0 runs vLLM in its own process (rollout/vllm_engine.py; rollout.engines > 1: replica k beside node
-k % nodes' first rank, rollout/node_engines.py) and the reward in another (rollout/rewards.py); the global batch is broadcast to every rank, which keeps its DP shard. Step t
-samples with policy version max(0, t - rollout.staleness), loaded into the running engine (prefix
-cache reset) whenever the version changes. rollout.sync=stream streams it in named buckets from one
-rank per stage (rollout/weight_stream.py) through vLLM's weight-transfer API; the lagged versions are
-kept sharded, each rank its own shards, in the parameters' dtype, and so are they in checkpoints. rollout.sync=disk gathers every
-version whole on rank 0 and writes it as an fp32 HF directory (hf/export.py) for vLLM to reload.
-Every rank advances the prompt stream alike (rollout.filter_groups' refills: rank 0 alone), and the
-checkpoint holds rank 0's position, so a resumed run continues the stream exactly. A sample whose reward failed is left out of the loss.
+Rank 0 runs vLLM in its own process (rollout/vllm_engine.py; rollout.engines > 1: replica k beside node k %
+nodes' first rank, rollout/node_engines.py) and the reward in another (rollout/rewards.py); the global batch
+is broadcast to every rank, which keeps its DP shard. Step t samples with policy version max(0, t -
+rollout.staleness), loaded into the running engine (prefix cache reset) whenever the version changes.
+rollout.sync=stream streams it in named buckets from one rank per stage (rollout/weight_stream.py) through
+vLLM's weight-transfer API; the lagged versions are kept sharded, each rank its own shards, in the parameters'
+dtype, and so are they in checkpoints. rollout.sync=disk gathers every version whole on rank 0 and writes it
+as an fp32 HF directory (hf/export.py) for vLLM to reload. Every rank advances the prompt stream alike
+(rollout.filter_groups' refills: rank 0 alone), and the checkpoint holds rank 0's position, so a resumed run
+continues the stream exactly. A sample whose reward failed is left out of the loss.
 
 rollout.mode=async: rank 0 generates and scores the next steps' batches on a thread (rollout/async_feed.py)
 while the trainer trains; push() streams each new version into the engine at once, between two

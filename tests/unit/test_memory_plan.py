@@ -8,11 +8,13 @@ import pytest
 
 from megatron_cispo.config import ConfigError
 from megatron_cispo.runner.experiment import load_experiment
+from megatron_cispo.runner.memory_parts import Shape, activation_bytes, expert_skew, microbatch_tokens, row_tokens
 from megatron_cispo.runner.memory_plan import check_fits, gib, memory_plan
 from megatron_cispo.train import EXIT_CONFIG, main
 
 CONFIGS = Path(__file__).resolve().parents[2] / "yaml_configs"
 DEMO, TEMPLATE, QWEN8B = (str(CONFIGS / f"{n}.yaml") for n in ("demo_cpu", "gpu_template", "gpu_qwen3_8b"))
+MOE, QWEN2_TINY, QWEN30B = (CONFIGS / f"{n}.yaml" for n in ("moe_cpu", "hf_qwen2_tiny", "gpu_qwen3_30b_a3b"))
 MATH = CONFIGS / "data" / "math_sample.jsonl"  # the 8B recipe reads ${MATH_PROMPTS}; the override stands in
 
 # demo_cpu.yaml's GPT on one tp=2 rank (vocab 16, hidden 64, ffn 256, 2 layers, 12 learned positions, LayerNorm
@@ -20,6 +22,15 @@ MATH = CONFIGS / "data" / "math_sample.jsonl"  # the 8B recipe reads ${MATH_PROM
 # + 64*256/2 + 256/2 (fc1) + 256*64/2 + 64 (fc2) = 25184; + 16*64/2 (embedding) + 12*64 (positions)
 # + 2*64 (final norm) + 16*64/2 (output layer). The bench measured these bytes from the model itself.
 DEMO_PARAMS = 2 * 25184 + 512 + 768 + 128 + 512
+# demo_cpu's activations on one tp=2 rank, fp32, one microbatch of 16 rows of 9 tokens packed into one bin of 144
+# (parallelism.max_tokens_per_microbatch 160; no SP or CP: no padding), 2 heads of 16 and ffn 128 per rank. Per
+# layer, in floats: 2 * 144*64 (LayerNorm input, QKV input) + 144*96 (QKV out) + 144*32 (attention out)
+# + 2 * 144*32 (K and V repeated to every head) + 2 * 144*64 (LayerNorm input, fc1 input) + 2 * 144*128 (fc1
+# out after its bias, GELU out) = 101376, times 4 bytes; plus the reference attention's fp32 probabilities
+# 2*144*144*4 = 165888 bytes of the one [144, 144] block and its bool mask 144*144. Then the larger of the head's
+# (final norm input, output layer input, hidden gradient: 3 * 144*64*4, weight gradient 8*64*4 = 112640) and the
+# transient scores of one layer (scaled, masked: 2 * 165888, the mask again: 20736 = 352512).
+DEMO_ACTIVATIONS = 2 * (101376 * 4 + 165888 + 20736) + 352512
 
 
 def _plan(path, world, *overrides, device="cpu"):
@@ -135,6 +146,59 @@ def test_check_prints_the_plan_and_refuses_in_one_line(capsys):
     assert "weights 0.199 MiB, gradients 0.199 MiB, optimizer state 0.399 MiB" in lines[2]
     assert main(["--check", DEMO, "--world-size", "4", "run.gpu_memory_gb=0.002"]) == EXIT_CONFIG
     err = capsys.readouterr().err.strip().splitlines()
-    # rank 0: its bucket (the 0.39 MiB model) and the TP gather's 1 MiB buffer outweigh the activations
-    assert len(err) == 1 and "rank 0 needs 3.6 MiB > run.gpu_memory_gb=0.002: weight-sync buckets 1.39 MiB is " \
-        "the largest part; lower rollout.sync_bucket_mb" in err[0]
+    # rank 0: the activations (1.47 MiB) outweigh its bucket (the 0.39 MiB model) and the TP gather's 1 MiB buffer
+    assert gib(DEMO_ACTIVATIONS) == "1.47 MiB"
+    assert len(err) == 1 and "rank 0 needs 3.6 MiB > run.gpu_memory_gb=0.002: activations 1.47 MiB is the largest " \
+        "part; lower parallelism.max_tokens_per_microbatch" in err[0]
+
+
+def test_packed_rows_attend_across_their_bin_and_padded_rows_within_their_row():
+    cfg, plan = _plan(DEMO, 4)
+    assert {g.parts["activations"] for g in plan} == {DEMO_ACTIVATIONS}
+    # padded [16, 9] microbatches: the reference attention's scores are 16 blocks of [9, 9] (2 heads: 10368 bytes,
+    # the mask 81), not one [144, 144]; the head's 112640 bytes then outweigh the transient scores (2*10368 + 81)
+    _, plan = _plan(DEMO, 4, "parallelism.max_tokens_per_microbatch=null")
+    assert {g.parts["activations"] for g in plan} == {2 * (101376 * 4 + 10368 + 81) + 112640}
+
+
+def test_sequence_parallel_pads_every_row_and_the_head_workspace_has_each_ranks_real_vocabulary(shipped_env):
+    cfg = load_experiment(QWEN2_TINY, [], env=shipped_env(QWEN2_TINY))  # tp 2 + SP, rows of 9 tokens
+    assert row_tokens(cfg) == 9 and microbatch_tokens(cfg) == 16 * 10  # each row padded to a multiple of tp
+    plan = {r: g for g in memory_plan(cfg, 4, device="cpu") for r in g.ranks}
+    # 300 real vocabulary rows padded to 384: tp rank 0 holds 192 real columns, tp rank 1 the other 108; the fused
+    # head's workspace is two fp32 blocks of 128 rows (its floor) by those columns
+    assert [plan[r].parts["head workspace"] for r in range(4)] == [2 * 128 * c * 4 for c in (192, 108, 192, 108)]
+    # per layer, in floats at t=160 (80 rows per rank under SP), 2 heads of 16 and 1 kv head per rank, ffn 48:
+    # 3 * 80*64 (RMSNorm input, its x * rstd, QKV input) + 160*64 (QKV out) + 160*48 (q, k after RoPE)
+    # + 160*32 (attention out) + 2 * 160*32 (K, V repeated) + 3 * 80*64 (the MLP's norm) + 5 * 160*48 (fc1 out,
+    # 2f; SiLU out; x_linear + 0.0; their product) = 102400, times 4; fp32 probabilities 2*160*160*4 and the
+    # mask 160*160. Then the transient scores (2 * 204800 + 25600) outweigh the head (240*64*4 + 160*64*4 + 192*64*4)
+    assert plan[0].parts["activations"] == 2 * (102400 * 4 + 204800 + 25600) + 2 * 204800 + 25600
+
+
+def test_prompt_rows_train_one_token_fewer_than_prompt_plus_completion():
+    cfg = load_experiment(QWEN8B, [f"data.prompts={MATH}"], env={})
+    # data.max_prompt_tokens 512 + rollout.max_new_tokens 2048 = 2560 tokens: 2559 targets, 2560 padded to tp 4
+    assert row_tokens(cfg) == 2559 and microbatch_tokens(cfg) == 4 * 2560
+
+
+def test_moe_experts_keep_their_routed_tokens_at_the_balanced_share():
+    cfg = load_experiment(MOE, [], env={})  # ep 2, tp 1, 4 experts of ffn 256 (GELU), top-2, bins of 96 tokens
+    s = Shape.of(cfg.model)
+    # per layer, in floats: 2 * 96*64 (norm input, QKV input) + 96*192 (QKV out) + 96*64 (attention out)
+    # + 2 * 96*64 (K, V repeated) + 2 * 96*64 (norm input, router input) + 96*2 routed copies x (64 (the
+    # dispatched token, fc1's input) + 3 * 256 (fc1 out, GELU out, GELU out x router probability)) = 221184, times
+    # 4; fp32 probabilities 4*96*96*4, the mask 96*96, the router's fp32 logits and probabilities 2*96*4*4; then the
+    # transient scores 2 * 147456 + 9216 outweigh the head (192*64*4 + 96*64*4 + 16*64*4)
+    want = 2 * (221184 * 4 + 147456 + 9216 + 3072) + 2 * 147456 + 9216
+    assert activation_bytes(cfg, s, in_flight=1, last=True, device="cpu") == want
+    # dropless routing: one rank's 2 experts can take every token's both copies from both ranks, 2x the share
+    assert expert_skew(cfg, s) == 2.0
+    q30 = load_experiment(QWEN30B, [f"data.prompts={MATH}"], env={})
+    assert expert_skew(q30, Shape.of(q30.model)) == 8.0  # ep 8, 16 experts per rank, top-8: 8 x 8 of 8 copies
+
+
+def test_check_says_moe_activations_assume_balanced_routing(capsys):
+    assert main(["--check", str(MOE), "--world-size", "2"]) == 0
+    assert "#   (MoE: activations at balanced routing; the dropless dispatcher can give one rank's experts up to " \
+        "2x their share of the routed tokens)" in capsys.readouterr().out
