@@ -19,9 +19,8 @@ from dataclasses import dataclass
 from ..config import ConfigError
 from ..rollout.engine import engine_spec, runs_on_cuda
 from ..rollout.placement import colocated_rank
-from .memory_parts import BYTES as _BYTES
-from .memory_parts import (Shape, activation_bytes, batch_bytes, expert_skew, head_workspace, microbatch_tokens,
-                           pushed_bytes, stage_params, total_params)
+from .memory_parts import (BYTES, Shape, activation_bytes, batch_bytes, expert_skew, head_workspace,
+                           microbatch_tokens, pushed_bytes, stage_params, total_params)
 
 GIB = 2**30
 ADAM_STATES, SGD_STATES = 2, 1  # fp32 tensors per parameter: exp_avg and exp_avg_sq; megatron's SGD momentum
@@ -75,7 +74,7 @@ def _rank_parts(cfg, s: Shape, *, world: int, rank: int, dp: int, device: str,
     per_stage = world // p.pp
     stage, inner = divmod(rank, per_stage)  # megatron's order: tp innermost, then cp, dp; pp outermost
     tpr, j = inner % p.tp, inner // p.tp  # tp rank, index over dp x cp
-    b = _BYTES[cfg.model.dtype]
+    b = BYTES[cfg.model.dtype]
     dense, expert = stage_params(s, tp=p.tp, pp=p.pp, ep=p.ep, stage=stage)
     n = dense + expert
     state = (ADAM_STATES if o.name == "adam" else SGD_STATES) + (b < 4)  # + fp32 master weights of bf16
@@ -109,8 +108,8 @@ def _rank_parts(cfg, s: Shape, *, world: int, rank: int, dp: int, device: str,
     parts["weight-sync buckets"] = sync
     full = total_params(s)
     if rank == 0 and not spec.overlaps:  # in-process engines: rank 0 holds the whole model
-        parts["rollout engine"] = full * _BYTES[r.precision]
-        parts["engine update"] = full * b + full * _BYTES[r.precision]  # staging + the new copy
+        parts["rollout engine"] = full * BYTES[r.precision]
+        parts["engine update"] = full * b + full * BYTES[r.precision]  # staging + the new copy
     elif own and device == "cpu" and r.sync == "stream":  # the shared bucket file, mapped by rank 0 too: sparse,
         parts["rollout engine"] = min(bucket, max(pushed))  # so memory where a bucket was written only
     elif spec.overlaps and cfg.run.gpu_memory_gb is not None and r.placement == "local":
