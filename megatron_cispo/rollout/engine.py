@@ -137,6 +137,25 @@ class EngineSpec:
 ENGINES: dict[str, EngineSpec] = {}
 
 
+def push_in_parts(engine, buckets: Iterable, *, manifest: dict, bucket_bytes: int, stage=None) -> dict:
+    """update_weights for an engine in its own process, from its parts (begin_update, add_bucket(stage(bucket),
+    index), finish_update; abort_update when the stream fails): every bucket, all or nothing. Returns
+    {"sync/seconds", "sync/bytes", "sync/buckets"}."""
+    import time
+
+    t0, nbytes, count = time.perf_counter(), 0, 0
+    engine.begin_update(manifest, bucket_bytes)
+    try:
+        for bucket in buckets:
+            engine.add_bucket(stage(bucket) if stage else bucket, count)
+            nbytes, count = nbytes + bucket.data.numel(), count + 1
+    except BaseException:
+        engine.abort_update()
+        raise
+    engine.finish_update()
+    return {"sync/seconds": time.perf_counter() - t0, "sync/bytes": float(nbytes), "sync/buckets": float(count)}
+
+
 def runs_on_cuda(model) -> bool:
     """Whether a run of `model` (runner.model.ModelConfig) is on CUDA GPUs: a Transformer Engine recipe (TE
     runs on CUDA only), or CUDA here. --check of a GPU recipe on a CPU login node then judges it for the GPUs

@@ -17,13 +17,13 @@ system every node sees (the engine opens the one and logs to the other).
 from __future__ import annotations
 
 import socket
-import time
 from multiprocessing.connection import Client
 from typing import Callable, Optional
 
 import torch.distributed as dist
 
 from .child import cause
+from .engine import push_in_parts
 from .engine_pool import open_pool
 from .node_host import NodeHost, node_key, raw_socket
 from .placement import replica_node
@@ -94,17 +94,7 @@ class NodeEngine:
 
     def update_weights(self, buckets, *, manifest: dict, bucket_bytes: int) -> dict:
         """The protocol's one-call push (the pool uses the parts): every bucket, all or nothing."""
-        t0, nbytes, count = time.perf_counter(), 0, 0
-        self.begin_update(manifest, bucket_bytes)
-        try:
-            for bucket in buckets:
-                self.add_bucket(bucket, count)
-                nbytes, count = nbytes + bucket.data.numel(), count + 1
-        except BaseException:
-            self.abort_update()
-            raise
-        self.finish_update()
-        return {"sync/seconds": time.perf_counter() - t0, "sync/bytes": float(nbytes), "sync/buckets": float(count)}
+        return push_in_parts(self, buckets, manifest=manifest, bucket_bytes=bucket_bytes)
 
     def generate(self, prompts, sampling):
         return self._call("generate", f"generating {len(prompts)} prompts x {sampling.n}", prompts, sampling)

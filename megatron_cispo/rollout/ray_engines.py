@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from .child import cause
+from .engine import push_in_parts
 from .engine_pool import EnginePool, host_copy
 
 EXTRA = "pip install 'megatron_cispo[ray]'"
@@ -186,17 +187,8 @@ class RayEngine:
 
     def update_weights(self, buckets, *, manifest: dict, bucket_bytes: int) -> dict:
         """The protocol's one-call push (the pool uses the parts): every bucket, all or nothing."""
-        t0, nbytes, count = time.perf_counter(), 0, 0
-        self.begin_update(manifest, bucket_bytes)
-        try:
-            for bucket in buckets:
-                self.add_bucket(self._ray.put(host_copy(bucket)), count)
-                nbytes, count = nbytes + bucket.data.numel(), count + 1
-        except BaseException:
-            self.abort_update()
-            raise
-        self.finish_update()
-        return {"sync/seconds": time.perf_counter() - t0, "sync/bytes": float(nbytes), "sync/buckets": float(count)}
+        return push_in_parts(self, buckets, manifest=manifest, bucket_bytes=bucket_bytes,
+                             stage=lambda bucket: self._ray.put(host_copy(bucket)))
 
     def generate(self, prompts, sampling):
         return self._call("generate", f"generating {len(prompts)} prompts x {sampling.n}", prompts, sampling)

@@ -28,7 +28,7 @@ from typing import Iterable
 import torch
 
 from .child import recv, send, start
-from .engine import Completion, EngineStart, Sampling, runs_on_cuda  # noqa: F401 - Completion: callers import it from here
+from .engine import Completion, EngineStart, Sampling, push_in_parts, runs_on_cuda  # noqa: F401 - Completion: callers import it from here
 
 PRECISIONS = {"fp32": "float32", "bf16": "bfloat16"}
 CALL_TIMEOUT_S = 3600.0  # generous: a hung child must end as an error, never hang the trainer
@@ -184,16 +184,7 @@ class VLLMEngine:
         short leaves the engine on its previous weights (the child aborts the update) and raises
         EngineError, or the stream's own exception. manifest: every HF tensor a complete push holds.
         Returns {"sync/seconds", "sync/bytes", "sync/buckets"}."""
-        t0, nbytes, count = time.perf_counter(), 0, 0
-        self.begin_update(manifest, bucket_bytes)
-        try:
-            for bucket in buckets:
-                nbytes, count = nbytes + self.add_bucket(bucket, count), count + 1
-        except BaseException:
-            self.abort_update()
-            raise
-        self.finish_update()
-        return {"sync/seconds": time.perf_counter() - t0, "sync/bytes": float(nbytes), "sync/buckets": float(count)}
+        return push_in_parts(self, buckets, manifest=manifest, bucket_bytes=bucket_bytes)
 
     # update_weights in parts, for a caller that feeds several engines one bucket at a time (engine_pool.py)
     def begin_update(self, manifest: dict, bucket_bytes: int) -> None:
