@@ -170,10 +170,11 @@ def test_a_model_directory_without_a_tokenizer_is_refused_at_start_and_named_by_
         PromptStream(str(SHIPPED), tokenizer_path=str(config_only), seed=0)
     recipe = str(ROOT / "yaml_configs" / "gpu_qwen3_8b.yaml")
     bad = _jsonl(tmp_path / "bad.jsonl", [{"prompt": "1+1", "answer": "2"}, {"prompt": 7, "answer": "7"}])
-    assert main(["--check", recipe, "--world-size", "16", f"data.prompts={bad}"]) == 2  # rows before the engine
+    bad_rows = ["--check", recipe, "--world-size", "16", "--nnodes", "2", f"data.prompts={bad}"]
+    assert main(bad_rows) == 2  # the rows are read before the engine is judged
     assert "row 1: field 'prompt' is int '7', not a string" in capsys.readouterr().err
     sample = ROOT / "yaml_configs" / "data" / "math_sample.jsonl"
-    code = main(["--check", recipe, "--world-size", "16", f"data.prompts={sample}"])
+    code = main(["--check", recipe, "--world-size", "16", "--nnodes", "2", f"data.prompts={sample}"])
     out, err = capsys.readouterr()
     if importlib.util.find_spec("vllm") is None:  # the second megatron-core tier: --check says so, in one line
         assert code == 2 and "needs vLLM" in err.strip().splitlines()[-1], err
