@@ -219,7 +219,7 @@ def test_two_engines_give_one_engine_s_batches_both_serve_and_a_replica_killed_s
     assert not Path(f"/proc/{engines[0]}").exists(), "the other replica outlived the run"
 
 
-def test_a_replica_killed_mid_run_with_on_engine_death_restart_is_replaced_on_the_current_weights(model, tmp_path):
+def test_a_replica_killed_mid_run_with_on_engine_death_restart_is_replaced_and_rejoins_at_the_next_push(model, tmp_path):
     """rollout.on_engine_death=restart, two local replicas: replica 1's process SIGKILLed after step 2; the run
     goes on to its end, one line says the replica was restarted; replica 0 serves that step's prompts alone
     (its share, or all of them while the fresh replica waits for the next push) and from the next push the
