@@ -4,7 +4,7 @@ one line instead of a traceback where the ranks or the rendezvous have already s
     python launch/run_torchrun.py SCRIPT WAITED_FOR WORLD_SIZE [torchrun arguments ...]
 
 - First the config and overrides after `-m megatron_cispo.train` are checked as `train --check
-  --world-size WORLD_SIZE [--nnodes N]` checks them (N: torchrun's --nnodes), here (a separate check would start Python and import torch
+  --world-size WORLD_SIZE --nnodes N` checks them (N: WORLD_SIZE over torchrun's --nproc-per-node), here (a separate check would start Python and import torch
   once more): a bad one is one line, exit 2, and no rank is started.
 - The rendezvous fails (a node did not come in time, the port is taken): one line, SCRIPT: WAITED_FOR
   and then torch's own message; exit 1.
@@ -98,8 +98,10 @@ def check_config(world: str, torchrun_args: list[str]) -> int:
         return 0
     at = torchrun_args.index("megatron_cispo.train")
     config_and_overrides = torchrun_args[at + 1:]
-    nodes = torchrun_args[torchrun_args.index("--nnodes") + 1] if "--nnodes" in torchrun_args[:at] else "1"
-    nnodes = ["--nnodes", nodes] if nodes.isdigit() else []  # an elastic range (1:4) places nothing at --check
+    # the nodes: WORLD_SIZE over torchrun's processes per node (the scripts pass both; --nnodes may be a range)
+    flags = torchrun_args[:at]
+    per_node = flags[flags.index("--nproc-per-node") + 1] if "--nproc-per-node" in flags else ""
+    nnodes = ["--nnodes", str(int(world) // int(per_node))] if per_node.isdigit() and int(per_node) > 0 else []
     with contextlib.redirect_stdout(io.StringIO()):  # the resolved config it prints
         return train(["--check", "--world-size", world, *nnodes, *config_and_overrides])
 

@@ -112,6 +112,20 @@ def test_valid_settings_reach_torchrun_with_the_rendezvous_timeout(stubs):
     assert "srun NNODES=2 MASTER_ADDR=nodeA MASTER_PORT=29500 --kill-on-bad-exit=1" in calls.read_text()
 
 
+def test_the_config_check_places_the_engines_on_the_nodes_the_script_launches():
+    """multi_node.sh hands its nodes to the check (WORLD_SIZE over --nproc-per-node): 2 nodes of 8 processes
+    against run.gpus_per_node=4 is refused in one line naming 8 per node (on one node it would say 16)."""
+    recipe = str(ROOT / "yaml_configs" / "gpu_qwen3_8b.yaml")
+    node_env = _clean_env(NNODES="2", NODE_RANK="0", MASTER_ADDR="127.0.0.1", GPUS_PER_NODE="8",
+                          MATH_PROMPTS=str(ROOT / "yaml_configs" / "data" / "math_sample.jsonl"))
+    proc = subprocess.run(["bash", "launch/multi_node.sh", recipe, "run.gpus_per_node=4"], cwd=ROOT, env=node_env,
+                          capture_output=True, text=True, timeout=120)
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, lines
+    assert lines[0].endswith("16 trainer processes on 2 node(s) are 8 per node, more than run.gpus_per_node=4: add "
+                             "nodes (--nnodes) or fix run.gpus_per_node"), lines
+
+
 def _node(rank: int, port: int, timeout_s: int) -> subprocess.Popen:
     node_env = _clean_env(NNODES="2", NODE_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                           GPUS_PER_NODE="1", RDZV_TIMEOUT=str(timeout_s))
