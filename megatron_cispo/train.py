@@ -104,8 +104,7 @@ def _nnodes(flag: int | None, world: int) -> int:
 def _check_placement(cfg, world: int, nnodes: int) -> str:
     """The engines' GPUs (rollout/placement.py): ConfigError for what cannot be placed; the comment line saying
     what was not checked ("" when all was)."""
-    from .rollout.engine import engine_spec, runs_on_cuda
-    from .rollout.placement import gpus_problem
+    from .rollout.placement import gpus_problem, places_gpus
 
     try:
         problem = gpus_problem(cfg, world=world, nnodes=nnodes)
@@ -113,7 +112,7 @@ def _check_placement(cfg, world: int, nnodes: int) -> str:
         raise ConfigError(str(e)) from None
     if problem:
         raise ConfigError(problem)
-    if cfg.run.gpus_per_node is None and runs_on_cuda(cfg.model) and engine_spec(cfg.rollout.engine).replicas:
+    if cfg.run.gpus_per_node is None and places_gpus(cfg):
         return ("# not checked: which GPUs the rollout engines get on each node (set run.gpus_per_node); the run "
                 "checks each node's own at start\n")
     return ""

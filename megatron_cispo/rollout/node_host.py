@@ -160,9 +160,7 @@ class NodeHost:
 
 
 def _check_gpu(gpu: Optional[int]) -> None:
-    """rollout.engine_gpus on a host node: the GPU must be one of this node's (vllm_engine.gpu_placement)."""
-    if gpu is not None and torch.cuda.is_available():
-        from .vllm_engine import gpu_placement
+    """rollout.engine_gpus on a host node: the GPU must be one of this node's (vllm_engine.gpus_here)."""
+    from .vllm_engine import gpus_here
 
-        gpu_placement([gpu], device_count=torch.cuda.device_count(),
-                      local_trainers=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), node="its node")
+    gpus_here([gpu], [0], node="its node")

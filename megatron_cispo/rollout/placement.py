@@ -53,6 +53,11 @@ def colocated_rank(cfg, k: int, *, world: int, nnodes: int) -> Optional[int]:
     return replica_node(k, nnodes) * p + g if g < p else None
 
 
+def places_gpus(cfg) -> bool:
+    """Whether the engines' GPUs are judged at all: on CUDA, for engines in their own processes."""
+    return runs_on_cuda(cfg.model) and engine_spec(cfg.rollout.engine).replicas
+
+
 def gpus_problem(cfg, *, world: int, nnodes: int) -> Optional[str]:
     """What cannot be placed, one line: two local replicas on one node given the same GPU; and on CUDA nodes of
     run.gpus_per_node GPUs, world // nnodes of them training: more trainer processes than GPUs, a replica on a
@@ -62,7 +67,7 @@ def gpus_problem(cfg, *, world: int, nnodes: int) -> Optional[str]:
     r, gpus = cfg.rollout, cfg.run.gpus_per_node
     p = per_node(world, nnodes)
     shared = shared_gpu_problem(r, nnodes) if r.placement == "local" else None
-    if shared or gpus is None or not runs_on_cuda(cfg.model) or not engine_spec(r.engine).replicas:
+    if shared or gpus is None or not places_gpus(cfg):
         return shared
     if p > gpus:
         return (f"{world} trainer processes on {nnodes} node(s) are {p} per node, more than run.gpus_per_node={gpus}: "

@@ -26,7 +26,6 @@ the checkpoint's weights: none lost, none trained twice.
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import time
 from dataclasses import replace
@@ -117,18 +116,19 @@ class PromptSampler(EngineWeights, PromptAsync, PromptEval, Sampler):
         """Rank 0: rollout.engine started on model.hf_path's family, fed by update_weights (stream), or
         (rollout.sync=disk) vLLM on the export `model_dir`."""
         from .engine import EngineStart, engine_spec
-        from .vllm_engine import VLLMEngine, gpu_placement
+        from .placement import replica_gpus
+        from .vllm_engine import VLLMEngine, gpus_here
 
         r = self.cfg
         options = {k: v for k, v in r.vllm.items() if k != "max_model_len"}  # rollout.vllm, checked at --check
-        gpus = r.engine_gpus or [None] * r.engines  # replica k's GPU (rollout.engine_gpus), None: as the trainer's
+        gpus = replica_gpus(r)  # replica k's GPU (rollout.engine_gpus), None: as the trainer's
         hosts = self.hosts or NodeHosts(1, {}, None)
         if hosts.nodes > 1:
             say("rollout.engines: " + ", ".join(f"replica {k} on {hosts.where(k)}" for k in range(r.engines)))
-        if r.engine_gpus and torch.cuda.is_available():  # rank 0's node's checked here, said in one line (the others'
-            here = [k for k in range(r.engines) if not hosts.node_of(k)]  # by their hosts, at the engine's start)
-            say(gpu_placement([gpus[k] for k in here], device_count=torch.cuda.device_count(), replicas=here,
-                              local_trainers=int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        here = [k for k in range(r.engines) if not hosts.node_of(k)]  # rank 0's node's replicas: checked here and
+        placed = gpus_here([gpus[k] for k in here], here)  # said in one line (the others' by their hosts, at start)
+        if placed:
+            say(placed)
         start = EngineStart(model=self.model_cfg, precision=r.precision, seed=self.seed,
                             max_model_len=engine_len(r.vllm, self.model_cfg.seq_length),
                             kept_sets=r.top_k > 0 or r.top_p < 1, log_path=str(self.log),

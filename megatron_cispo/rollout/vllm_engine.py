@@ -103,6 +103,15 @@ def gpu_placement(gpus: list[int], *, device_count: int, local_trainers: int, no
     return "rollout.engine_gpus: " + ", ".join(where)
 
 
+def gpus_here(gpus: list[int | None], replicas: list[int], *, node: str = "rank 0's node") -> str | None:
+    """gpu_placement of this node's replicas (replica replicas[i] on GPU gpus[i]) against its own CUDA GPUs and
+    its LOCAL_WORLD_SIZE trainer processes, at start; None without CUDA or without rollout.engine_gpus."""
+    if not torch.cuda.is_available() or all(g is None for g in gpus):
+        return None
+    return gpu_placement(list(gpus), device_count=torch.cuda.device_count(), replicas=replicas, node=node,
+                         local_trainers=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
 def start_problem(cfg) -> str | None:
     """rollout.engine=vllm's own refusals at --check: vLLM not installed, a model its build cannot serve."""
     return vllm_missing() or cpu_model_problem(cfg.model.arch, cuda=runs_on_cuda(cfg.model))

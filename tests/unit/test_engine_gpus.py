@@ -122,3 +122,15 @@ def test_a_replica_shares_the_gpu_of_the_trainer_rank_on_its_node():
     # 2 nodes of 6 trainer processes: replica 0 on node 0 GPU 1 (rank 1), 1 on node 1 GPU 7 (apart), 2 on node 0 GPU 2
     assert [colocated_rank(cfg, k, world=12, nnodes=2) for k in range(3)] == [1, None, 2]
     assert [colocated_rank(cfg, k, world=16, nnodes=4) for k in range(3)] == [1, None, 10]
+
+
+def test_each_node_checks_its_own_replicas_gpus_at_start(monkeypatch):
+    # rank 0 for its node's replicas (0 and 2 of 3 on two nodes), a host for its one: the same check
+    monkeypatch.setattr(vllm_engine.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(vllm_engine.torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "6")
+    assert vllm_engine.gpus_here([0, 6], [0, 2]) == (
+        "rollout.engine_gpus: replica 0 on GPU 0 (colocated with local rank 0), replica 2 on GPU 6 (apart)")
+    assert vllm_engine.gpus_here([None], [0]) is None  # no rollout.engine_gpus: the host's own GPU
+    with pytest.raises(ValueError, match=r"GPU 8 is not on its node, which has 8 \(0..7\); 6 of them train"):
+        vllm_engine.gpus_here([8], [0], node="its node")
